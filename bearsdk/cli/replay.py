@@ -1,0 +1,260 @@
+"""``bearsdk replay``: what-if replay of batch formation (CONTRACTS.md section 2).
+
+Batch mode reads one case per JSONL line and writes one result per line, in
+order; a bad line yields ``{"case_id": ..., "error": "line N: ..."}`` and the run
+goes on. Single mode replays one snapshot file and can print the batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+import orjson
+
+from bearsdk.errors import BearError
+from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
+from bearsdk.estimators.length import MeanLengthPredictor
+from bearsdk.schedulers import policy as bind_policy
+from bearsdk.snapshot import decode_snapshot, snapshot_from_dict
+
+__all__ = ["register", "replay_case"]
+
+_NEW_KEYS = frozenset({"prompt_tokens", "output_len", "max_tokens", "id"})
+
+
+class CaseError(BearError, ValueError):
+    """A replay case line is malformed."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "replay",
+        help="replay batch formation from a snapshot up to a new request's first token",
+        description="Predict the batch in which a new request gets its first token, and its TTFT.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--cases", metavar="FILE.jsonl", help="batch mode: one case per line ('-': stdin)"
+    )
+    src.add_argument("--snapshot", metavar="FILE", help="single mode: a bear.snapshot/1 JSON file")
+    p.add_argument("--scheduler", default="vllm-v1", help="registered policy (single mode)")
+    p.add_argument(
+        "--param", action="append", default=[], metavar="K=V", help="policy parameter override"
+    )
+    p.add_argument("--prompt-tokens", type=int, help="new request's prompt length (single mode)")
+    p.add_argument(
+        "--output-len", type=int, help="new request's output length (default: predicted)"
+    )
+    p.add_argument(
+        "--batch-time", metavar="B0,B1,B2,B3", help="eq. 12 coefficients in seconds (single mode)"
+    )
+    p.add_argument(
+        "--mean-output-len",
+        type=int,
+        default=256,
+        help="predicted length of requests without output_len",
+    )
+    p.add_argument(
+        "--batches", action="store_true", help="print the simulated batches (single mode)"
+    )
+    p.add_argument(
+        "--impl", choices=("cython", "python"), help="replay implementation (default: loaded)"
+    )
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.set_defaults(func=_run)
+
+
+def _params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CaseError(f"--param must be KEY=VALUE (got {item!r})")
+        out[key.strip()] = value
+    return out
+
+
+def _coeffs(v: object, where: str) -> BatchTimeModel | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x.strip()]
+    if not isinstance(v, list | tuple) or len(v) != 4:
+        raise CaseError(f"{where} must be four numbers [b0, b1, b2, b3] (got {v!r})")
+    try:
+        return BatchTimeModel(*(float(x) for x in v))
+    except (TypeError, ValueError) as exc:
+        raise CaseError(f"{where}: {exc}") from None
+
+
+def replay_case(
+    case: Mapping[str, Any], *, mean_output_len: int = 256, impl: str | None = None
+) -> dict[str, Any]:
+    """Run one replay case (the dict form of a ``--cases`` line).
+
+    Args:
+        case: ``case_id``, ``scheduler``, ``params``, ``snapshot``, ``new`` and
+            optionally ``batch_time``.
+        mean_output_len: Predicted length of residents without ``output_len``.
+        impl: Replay implementation; default: the loaded one.
+
+    Returns:
+        ``{"case_id", "first_token_batch", "ttft_s"}``.
+
+    Raises:
+        BearError: The case is malformed (the message names the field).
+    """
+    for key in ("scheduler", "snapshot", "new"):
+        if key not in case:
+            raise CaseError(f"{key} is required")
+    params = case.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise CaseError(f"params must be an object (got {params!r})")
+    new = case["new"]
+    if not isinstance(new, Mapping):
+        raise CaseError(f"new must be an object (got {new!r})")
+    for key in new:
+        if key not in _NEW_KEYS:
+            raise CaseError(f"new.{key} is not a known field")
+    prompt = new.get("prompt_tokens")
+    if type(prompt) is not int or prompt < 1:
+        raise CaseError(f"new.prompt_tokens must be an integer >= 1 (got {prompt!r})")
+    out_len = new.get("output_len")
+    if out_len is not None and (type(out_len) is not int or out_len < 1):
+        raise CaseError(f"new.output_len must be an integer >= 1 (got {out_len!r})")
+    max_tokens = new.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        raise CaseError(f"new.max_tokens must be an integer >= 1 (got {max_tokens!r})")
+    scheduler = case["scheduler"]
+    if not isinstance(scheduler, str):
+        raise CaseError(f"scheduler must be a name (got {scheduler!r})")
+    coeffs = _coeffs(case.get("batch_time"), "batch_time")
+    snap = snapshot_from_dict(case["snapshot"])
+    est = BEAEstimator(
+        bind_policy(scheduler, params),
+        coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
+        MeanLengthPredictor(mean=mean_output_len),
+        implementation=impl,
+    )
+    res = est.estimate(snap, prompt, out_len, max_tokens=max_tokens)
+    return {
+        "case_id": case.get("case_id"),
+        "first_token_batch": res.first_token_batch,
+        "ttft_s": None if coeffs is None or not math.isfinite(res.ttft_s) else res.ttft_s,
+    }
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    stream: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+    try:
+        for i, line in enumerate(stream, 1):
+            if line.strip():
+                yield i, line
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def _run_cases(args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    n = bad = 0
+    for lineno, raw in _lines(args.cases):
+        n += 1
+        case_id: object = None
+        try:
+            case = orjson.loads(raw)
+            if not isinstance(case, dict):
+                raise CaseError(f"must be a JSON object (got {type(case).__name__})")
+            case_id = case.get("case_id")
+            res = replay_case(case, mean_output_len=args.mean_output_len, impl=args.impl)
+        except orjson.JSONDecodeError as exc:
+            bad += 1
+            res = {"case_id": None, "error": f"line {lineno}: not valid JSON ({exc})"}
+        except (BearError, ValueError) as exc:
+            bad += 1
+            res = {"case_id": case_id, "error": f"line {lineno}: {exc}"}
+        if args.json:
+            out.write(orjson.dumps(res) + b"\n")
+        elif "error" in res:
+            out.write(f"{res['case_id']}\tERROR\t{res['error']}\n".encode())
+        else:
+            ttft = "-" if res["ttft_s"] is None else f"{res['ttft_s'] * 1000:.3f} ms"
+            out.write(f"{res['case_id']}\tbatch {res['first_token_batch']}\t{ttft}\n".encode())
+    out.flush()
+    if bad:
+        print(f"bearsdk replay: {bad} of {n} lines had errors", file=sys.stderr)
+    return 0
+
+
+def _run_single(args: argparse.Namespace) -> int:
+    if args.prompt_tokens is None:
+        raise CaseError("--prompt-tokens is required with --snapshot")
+    with open(args.snapshot, "rb") as f:
+        snap = decode_snapshot(f.read())
+    coeffs = _coeffs(args.batch_time, "--batch-time")
+    est = BEAEstimator(
+        bind_policy(args.scheduler, _params(args.param)),
+        coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
+        MeanLengthPredictor(mean=args.mean_output_len),
+        implementation=args.impl,
+    )
+    res = est.estimate(snap, args.prompt_tokens, args.output_len, explain=args.batches)
+    if args.json:
+        sys.stdout.buffer.write(
+            orjson.dumps(_result_dict(res, coeffs is not None, args.batches)) + b"\n"
+        )
+        return 0
+    print(
+        f"scheduler {args.scheduler}: {len(snap)} resident requests "
+        f"({snap.num_running} running, {snap.num_waiting} waiting)"
+    )
+    if res.first_token_batch:
+        ttft = f", TTFT {res.ttft_s * 1000:.3f} ms" if coeffs is not None else ""
+        print(f"first token in batch {res.first_token_batch}{ttft}")
+    else:
+        print(f"no first token: {res.stop_reason}")
+    if args.batches and res.batches:
+        cols = ("batch", "seqs", "prefill", "decode", "ctx", "adm", "pre", "ms")
+        widths = (6, 5, 8, 7, 9, 4, 4, 9)
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
+        for i, b in enumerate(res.batches, 1):
+            print(
+                f"{i:>6} {b.num_seqs:>5} {b.prefill_tokens:>8} {b.decode_tokens:>7} "
+                f"{b.decode_context:>9} {b.admitted:>4} {b.preempted:>4} "
+                f"{b.duration_s * 1000:>9.3f}"
+            )
+    return 0
+
+
+def _result_dict(res: TTFTEstimate, timed: bool, batches: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "first_token_batch": res.first_token_batch,
+        "ttft_s": res.ttft_s if timed and math.isfinite(res.ttft_s) else None,
+        "stop_reason": str(res.stop_reason),
+    }
+    if batches and res.batches is not None:
+        d["batches"] = [
+            {
+                "num_seqs": b.num_seqs,
+                "prefill_tokens": b.prefill_tokens,
+                "decode_tokens": b.decode_tokens,
+                "decode_context": b.decode_context,
+                "prefill_attention": b.prefill_attention,
+                "admitted": b.admitted,
+                "preempted": b.preempted,
+                "duration_s": b.duration_s,
+            }
+            for b in res.batches
+        ]
+    return d
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.cases:
+        return _run_cases(args)
+    return _run_single(args)

@@ -1,0 +1,160 @@
+"""BEA: the batch-evolution-aware TTFT estimator (eq. 9-12).
+
+From a snapshot of an instance's resident requests plus a new request, replay the
+instance's batch formation (its scheduler policy, compiled) until the batch that
+completes the new request's prompt, and sum the eq. 12 times of the batches up to
+and including it, plus whatever remains of the batch in flight at the snapshot.
+The replay stops at the first token; residents are never simulated to completion
+unless that is what frees the memory or the seat the new request waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
+from bearsdk.replay import Replayer
+from bearsdk.replay.types import BatchRecord, StopReason
+from bearsdk.schedulers import Policy, compile_policy
+from bearsdk.schedulers import policy as bind_policy
+from bearsdk.snapshot import Snapshot
+
+__all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate"]
+
+
+@attrs.frozen
+class TTFTEstimate:
+    """A BEA prediction.
+
+    Attributes:
+        ttft_s: Predicted time to first token, seconds (``inf`` when the request
+            would never be served from this state).
+        first_token_batch: 1-based index of the batch that completes the prompt.
+        inflight_s: Remaining time of the batch in flight at the snapshot,
+            included in ``ttft_s``.
+        stop_reason: Why the replay ended.
+        batches: The simulated batches, when asked for (explains the estimate).
+    """
+
+    ttft_s: float
+    first_token_batch: int
+    inflight_s: float
+    stop_reason: StopReason
+    batches: tuple[BatchRecord, ...] | None = None
+
+
+@attrs.frozen(eq=False)
+class PreparedSnapshot:
+    """A snapshot turned into replay state for one estimator (build once, estimate many).
+
+    Attributes:
+        snapshot: The source snapshot.
+        replayer: The compiled policy (KV geometry from the snapshot when it has one).
+        state: Implementation-specific replay state.
+    """
+
+    snapshot: Snapshot
+    replayer: Replayer
+    state: Any
+
+
+@attrs.define
+class BEAEstimator:
+    """Predicts TTFT at one instance by replaying its scheduler from a snapshot.
+
+    Args:
+        policy: The instance's bound scheduler policy (see :func:`bearsdk.policy`).
+        batch_time: The instance's eq. 12 coefficients.
+        length_predictor: Predicts output lengths the snapshot omits.
+        implementation: ``"cython"`` or ``"python"``; default: the loaded one.
+    """
+
+    policy: Policy
+    batch_time: BatchTimeModel
+    length_predictor: LengthPredictor = attrs.field(factory=MeanLengthPredictor)
+    implementation: str | None = None
+
+    @classmethod
+    def for_scheduler(
+        cls,
+        scheduler: str,
+        batch_time: BatchTimeModel,
+        params: Mapping[str, object] | None = None,
+        **kwargs: object,
+    ) -> BEAEstimator:
+        """Build an estimator for a registered scheduler and parameter overrides."""
+        return cls(bind_policy(scheduler, params), batch_time, **kwargs)  # type: ignore[arg-type]
+
+    def prepare(self, snapshot: Snapshot) -> PreparedSnapshot:
+        """Resolve output lengths and build replay state for ``snapshot``.
+
+        The snapshot's KV geometry (when present) overrides the policy's.
+        """
+        pol = self.policy
+        free = -1
+        if snapshot.kv is not None:
+            pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
+            free = snapshot.kv.free_blocks
+        replayer = compile_policy(pol, self.implementation)
+        table = resolve_output_lengths(snapshot.table, self.length_predictor)
+        state = replayer.prepare(table, free, snapshot.ids)
+        return PreparedSnapshot(snapshot, replayer, state)
+
+    def estimate(
+        self,
+        snapshot: Snapshot | PreparedSnapshot,
+        prompt_tokens: int,
+        output_len: int | None = None,
+        *,
+        max_tokens: int | None = None,
+        explain: bool = False,
+    ) -> TTFTEstimate:
+        """Predict the TTFT of a new request joining the instance's waiting queue.
+
+        Args:
+            snapshot: The instance's snapshot, or one prepared with :meth:`prepare`.
+            prompt_tokens: The new request's prompt length.
+            output_len: Its output length if known; else predicted.
+            max_tokens: Its output cap, if any.
+            explain: Also return the simulated batches.
+
+        Returns:
+            The estimate.
+        """
+        prep = snapshot if isinstance(snapshot, PreparedSnapshot) else self.prepare(snapshot)
+        if output_len is None:
+            import numpy as np
+
+            output_len = int(
+                self.length_predictor.predict_lengths(
+                    np.array([prompt_tokens], dtype=np.int64), np.zeros(1, dtype=np.int64)
+                )[0]
+            )
+            if max_tokens is not None:
+                output_len = min(output_len, max_tokens)
+        res = prep.replayer.replay(
+            prep.state,
+            prompt_tokens,
+            max(1, output_len),
+            self.batch_time.coeffs,
+            record=explain,
+            max_tokens=-1 if max_tokens is None else max_tokens,
+        )
+        inflight = prep.snapshot.inflight_remaining_s or 0.0
+        return TTFTEstimate(
+            ttft_s=res.ttft_s + inflight,
+            first_token_batch=res.first_token_batch,
+            inflight_s=inflight,
+            stop_reason=res.stop_reason,
+            batches=res.batches,
+        )
+
+    def ttft(self, prepared: PreparedSnapshot, prompt_tokens: int, output_len: int) -> float:
+        """The hot path: predicted TTFT in seconds, nothing else."""
+        return prepared.replayer.ttft(
+            prepared.state, prompt_tokens, output_len, self.batch_time.coeffs
+        ) + (prepared.snapshot.inflight_remaining_s or 0.0)

@@ -1,0 +1,38 @@
+# Type stub of the compiled replay (cext/_replay_c.pyx); same API as _replay_py.
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.replay.types import ReplayResult
+from bearsdk.schedulers.spec import Policy
+
+IMPLEMENTATION: str
+
+class Prepared:
+    def __len__(self) -> int: ...
+
+class Replayer:
+    implementation: str
+    policy: Policy
+    force_slow: bool
+    def __init__(self, policy: Policy) -> None: ...
+    def prepare(
+        self,
+        table: npt.NDArray[np.int64],
+        free_blocks: int = -1,
+        ids: Sequence[str] | None = None,
+    ) -> Prepared: ...
+    def ttft(
+        self, prepared: Prepared, prompt_tokens: int, output_len: int, coeffs: Sequence[float]
+    ) -> float: ...
+    def replay(
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+        record: bool = False,
+        max_batches: int = 1_000_000,
+        max_tokens: int = -1,
+    ) -> ReplayResult: ...

@@ -1,0 +1,560 @@
+"""Pure-Python replay of batch formation: the readable reference and test oracle.
+
+This module interprets a bound :class:`~bearsdk.schedulers.Policy` one request at
+a time, the way an engine's scheduler does it. ``cext/_replay_c.pyx`` implements
+the same contract at C speed (aggregating plain decodes); property tests require
+both to produce identical batch sequences, and the vLLM differential harness
+checks this module step by step against vLLM's own scheduler.
+
+The engine loop mirrors vLLM's ``EngineCore``: in synchronous mode a batch's
+outputs are processed before the next batch is scheduled; with asynchronous
+scheduling one batch is always in flight, so a batch is scheduled before the
+outputs of the previous one are known (placeholders stand for its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+from bearsdk.schedulers.spec import Policy
+from bearsdk.snapshot import (
+    COL_COMPUTED,
+    COL_MAX_TOKENS,
+    COL_OUTPUT,
+    COL_OUTPUT_LEN,
+    COL_PLACEHOLDERS,
+    COL_PROMPT,
+    COL_STATE,
+    NCOLS,
+    STATE_RUNNING,
+)
+
+__all__ = ["IMPLEMENTATION", "Prepared", "Replayer"]
+
+IMPLEMENTATION = "python"
+
+_RUNNING, _WAITING, _FINISHED = 0, 1, 2
+NEW_REQUEST_ID = "<new>"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Req:
+    """Mutable per-request state during a replay."""
+
+    __slots__ = (
+        "blocks",
+        "computed",
+        "inflight",
+        "limit",
+        "outputs",
+        "ph",
+        "prefilled",
+        "prompt",
+        "rid",
+        "status",
+        "target",
+    )
+
+    def __init__(self, rid: str, prompt: int, outputs: int, target: int, limit: int) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.outputs = outputs  # output tokens delivered so far
+        self.target = target  # output tokens at which the request finishes
+        self.limit = limit  # output count the scheduler knows it stops at (max_tokens, context)
+        self.computed = 0
+        self.ph = 0  # async placeholders: sampled tokens in flight
+        self.inflight = 0  # scheduled tokens whose batch is not processed yet
+        self.blocks = 0
+        self.status = _WAITING
+        self.prefilled = False  # prompt (or recompute) complete since last admission
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt + self.outputs
+
+    def clone(self) -> _Req:
+        c = _Req.__new__(_Req)
+        for slot in _Req.__slots__:
+            setattr(c, slot, getattr(self, slot))
+        return c
+
+
+class Prepared:
+    """A snapshot's requests, ready to replay (built once, replayed many times)."""
+
+    __slots__ = ("free_blocks", "has_inflight", "reqs", "unlimited_kv")
+
+    def __init__(
+        self, reqs: list[_Req], free_blocks: int, unlimited_kv: bool, has_inflight: bool
+    ) -> None:
+        self.reqs = reqs
+        self.free_blocks = free_blocks
+        self.unlimited_kv = unlimited_kv
+        self.has_inflight = has_inflight
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
+class _Batch:
+    __slots__ = ("admitted", "dctx", "dec", "patt", "pre", "preempted", "sampled", "sched")
+
+    def __init__(self) -> None:
+        self.sched: dict[_Req, int] = {}
+        self.sampled: list[_Req] = []
+        self.admitted = 0
+        self.preempted = 0
+        # eq. 12 terms, filled in after scheduling
+        self.pre = self.dec = self.dctx = self.patt = 0
+
+    def inert(self) -> bool:
+        """Processing this batch changes nothing."""
+        return not self.sched and not self.sampled
+
+
+class Replayer:
+    """Replays a policy's batch formation from a prepared snapshot.
+
+    Args:
+        policy: The bound policy to interpret.
+    """
+
+    implementation = IMPLEMENTATION
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        p = policy
+        self._bs = p.block_size
+        self._mml = p.max_model_len
+        self._wm_blocks = p.watermark_blocks
+        self._depth = 2 if p.async_scheduling else 1
+
+    # -- preparation -------------------------------------------------------
+
+    def prepare(
+        self,
+        table: npt.NDArray[np.int64],
+        free_blocks: int = -1,
+        ids: Sequence[str] | None = None,
+    ) -> Prepared:
+        """Turn a snapshot table (output lengths resolved) into replay state.
+
+        Args:
+            table: ``int64`` rows in scheduling order (``bearsdk.snapshot.COLUMNS``);
+                every ``output_len`` must be set (``>= 1``).
+            free_blocks: Free KV blocks the engine reported; ``-1`` to derive them
+                from the policy's pool size and the running requests' blocks.
+            ids: Request ids (for step-by-step records); defaults to row numbers.
+
+        Returns:
+            Replay-ready state.
+
+        Raises:
+            ValueError: An output length is missing or the table is malformed.
+        """
+        tab = np.asarray(table, dtype=np.int64)
+        if tab.ndim != 2 or tab.shape[1] != NCOLS:
+            raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
+        reqs: list[_Req] = []
+        held = freed = 0
+        has_inflight = False
+        for i, row in enumerate(tab.tolist()):
+            rid = ids[i] if ids is not None else f"#{i}"
+            if row[COL_OUTPUT_LEN] < 1:
+                got = row[COL_OUTPUT_LEN]
+                raise ValueError(f"row {i}: output_len must be resolved before replay (got {got})")
+            r = self._make_req(
+                rid, row[COL_PROMPT], row[COL_OUTPUT], row[COL_OUTPUT_LEN], row[COL_MAX_TOKENS]
+            )
+            if row[COL_STATE] == STATE_RUNNING:
+                r.status = _RUNNING
+                r.computed = row[COL_COMPUTED]
+                r.ph = row[COL_PLACEHOLDERS]
+                need = r.num_tokens + r.ph - r.computed
+                r.prefilled = r.outputs + r.ph >= 1 and need <= 1
+                r.blocks = self._held_blocks(r)
+                held += r.blocks
+                if r.ph and self._depth == 1:
+                    # A synchronous engine has processed its outputs before it
+                    # schedules again: fold any placeholder into the outputs.
+                    r.outputs += r.ph
+                    r.ph = 0
+                    if r.outputs >= r.target:
+                        freed += r.blocks
+                        continue
+                has_inflight = has_inflight or r.ph > 0
+            reqs.append(r)
+        p = self.policy
+        unlimited = p.num_blocks == 0 and free_blocks < 0
+        if free_blocks < 0:
+            free_blocks = 0 if unlimited else p.num_blocks - p.reserved_blocks - held
+            if free_blocks < 0:
+                raise ValueError(
+                    f"running requests hold {held} KV blocks, more than the pool of {p.num_blocks} "
+                    f"minus {p.reserved_blocks} reserved"
+                )
+        else:
+            free_blocks += freed
+        return Prepared(reqs, free_blocks, unlimited, has_inflight)
+
+    def _make_req(
+        self, rid: str, prompt: int, outputs: int, output_len: int, max_tokens: int
+    ) -> _Req:
+        limit = max_tokens if max_tokens > 0 else 1 << 62
+        if self._mml > 0:
+            limit = min(limit, self._mml - prompt)
+        target = max(min(output_len, limit), outputs + 1)
+        return _Req(rid, prompt, outputs, target, limit)
+
+    def _reserve_tokens(self, r: _Req) -> int:
+        """Tokens whose blocks an admission reserves, by allocation mode."""
+        alloc = self.policy.allocate
+        if alloc == "prompt":
+            return r.num_tokens
+        if alloc == "max-length":
+            return r.prompt + r.limit  # limit <= max_model_len - prompt (validated)
+        return 0
+
+    def _held_blocks(self, r: _Req) -> int:
+        """Blocks a running request holds, from its counts (snapshots do not list them).
+
+        Whole-prompt allocation holds the (re)compute length until the prompt is
+        done; max-length allocation holds its reservation throughout.
+        """
+        held = _cdiv(r.computed, self._bs)
+        alloc = self.policy.allocate
+        if alloc == "max-length" or (alloc == "prompt" and not r.prefilled):
+            held = max(held, _cdiv(self._reserve_tokens(r), self._bs))
+        return held
+
+    # -- replay ------------------------------------------------------------
+
+    def ttft(
+        self, prepared: Prepared, prompt_tokens: int, output_len: int, coeffs: Sequence[float]
+    ) -> float:
+        """Return only the predicted time to first token (``inf`` when never)."""
+        return self.replay(prepared, prompt_tokens, output_len, coeffs).ttft_s
+
+    def replay(
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+        record: bool = False,
+        max_batches: int = 1_000_000,
+        max_tokens: int = -1,
+    ) -> ReplayResult:
+        """Replay batch formation until the new request's first token.
+
+        Args:
+            prepared: State from :meth:`prepare` (not modified).
+            prompt_tokens: The new request's prompt length.
+            output_len: Its (predicted) output length.
+            coeffs: Eq. 12 coefficients ``(b0, b1, b2, b3)`` in seconds.
+            record: Return the simulated batches.
+            max_batches: Give up after this many batches.
+            max_tokens: The new request's output cap (``-1``: none).
+
+        Returns:
+            The first-token batch, the summed batch times, and optionally the batches.
+        """
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1 (got {prompt_tokens})")
+        run = _Run(self, prepared, record, coeffs)
+        new = self._make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
+        run.waiting.append(new)
+        return run.go(new, max_batches)
+
+
+class _Run:
+    """One replay: mutable copies of the prepared state and the engine loop."""
+
+    def __init__(
+        self, rp: Replayer, prepared: Prepared, record: bool, coeffs: Sequence[float]
+    ) -> None:
+        self.rp = rp
+        self.p = rp.policy
+        self.running: list[_Req] = []
+        self.waiting: deque[_Req] = deque()
+        for r in prepared.reqs:
+            c = r.clone()
+            (self.running if c.status == _RUNNING else self.waiting).append(c)
+        self.free = prepared.free_blocks
+        self.unlimited = prepared.unlimited_kv
+        self.record = record
+        self.b0, self.b1, self.b2, self.b3 = (float(c) for c in coeffs)
+        self.batches: list[BatchRecord] = []
+        # The batch in flight at the snapshot (async): its sampled tokens are the
+        # placeholders; partial prefill chunks in it change nothing when processed.
+        self.queue: deque[_Batch] = deque()
+        if prepared.has_inflight:
+            b0 = _Batch()
+            b0.sampled = [r for r in self.running if r.ph > 0]
+            for r in b0.sampled:
+                r.inflight = r.ph
+            self.queue.append(b0)
+
+    # -- engine loop --------------------------------------------------------
+
+    def go(self, new: _Req, max_batches: int) -> ReplayResult:
+        depth = self.rp._depth
+        k = 0
+        t = 0.0
+        while True:
+            batch = self.schedule()
+            if batch.sched:
+                k += 1
+                dt = self.account(batch)
+                t += dt
+                if new in batch.sampled:
+                    return ReplayResult(k, t, StopReason.FIRST_TOKEN, self._batches())
+                if k >= max_batches:
+                    return ReplayResult(0, math.inf, StopReason.BATCH_LIMIT, self._batches())
+            elif all(q.inert() for q in self.queue):
+                # Nothing scheduled and nothing in flight that could free a seat
+                # or a block: the new request can never be served.
+                return ReplayResult(0, math.inf, StopReason.NEVER_ADMITTED, self._batches())
+            self.queue.append(batch)
+            if len(self.queue) < depth:
+                continue
+            self.process(self.queue.popleft())
+
+    def _batches(self) -> tuple[BatchRecord, ...] | None:
+        return tuple(self.batches) if self.record else None
+
+    # -- schedule -----------------------------------------------------------
+
+    def schedule(self) -> _Batch:
+        p = self.p
+        b = _Batch()
+        budget = p.token_budget
+        cap = p.chunk_cap
+        if cap and p.cap_exempt_when_alone and len(self.running) + len(self.waiting) <= 1:
+            cap = 0
+        for stage in p.stages:
+            if stage == "waiting":
+                if b.preempted and not p.admit_after_preemption:
+                    continue
+                budget = self.admit(b, budget, cap)
+            else:
+                budget = self.serve_running(b, budget, cap, stage)
+            if p.exclusive and b.sched:
+                break
+        self.after_schedule(b)
+        return b
+
+    def _fits(self, b: _Batch, n: int) -> bool:
+        """Padded budgets charge every sequence the longest chunk in the batch."""
+        if self.p.budget_count != "padded":
+            return True
+        longest = max(max(b.sched.values(), default=0), n)
+        return (len(b.sched) + 1) * longest <= self.p.token_budget
+
+    def serve_running(self, b: _Batch, budget: int, cap: int, stage: str) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            if (
+                (stage == "decodes" and not r.prefilled)
+                or (stage == "prefills" and r.prefilled)
+                or r in b.sched
+            ):
+                # (a request admitted earlier in this batch is not served twice)
+                i += 1
+                continue
+            if r.ph > 0 and r.outputs + r.ph >= r.limit:
+                # Async: its last token is in flight; it keeps seat and blocks.
+                i += 1
+                continue
+            n = r.num_tokens + r.ph - r.computed
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
+            if self.rp._mml:
+                n = min(n, self.rp._mml - r.computed - 1)
+            if n <= 0 or not self._fits(b, n):
+                i += 1
+                continue
+            ok, budget = self.grow(b, r, n, budget)
+            if not ok:
+                break
+            b.sched[r] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def grow(self, b: _Batch, r: _Req, n: int, budget: int) -> tuple[bool, int]:
+        """Allocate the blocks ``r`` needs for ``n`` more tokens, preempting if needed.
+
+        A victim already scheduled in this batch (by an earlier stage) gives its
+        tokens back to the budget, as vLLM does. Returns (allocated, budget).
+        """
+        one_free = self.p.decode_needs_free_block and r.prefilled
+        while True:
+            need = max(_cdiv(r.computed + n, self.rp._bs) - r.blocks, 0)
+            if self.unlimited or max(need, one_free) <= self.free:
+                r.blocks += need
+                if not self.unlimited:
+                    self.free -= need
+                return True, budget
+            if self.p.victim == "none":
+                return False, budget
+            victim = self.running.pop()
+            if victim is not r:
+                budget += b.sched.pop(victim, 0)
+            self.preempt(victim)
+            b.preempted += 1
+            if victim is r:
+                return False, budget
+
+    def preempt(self, r: _Req) -> None:
+        if not self.unlimited:
+            self.free += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        r.ph = 0
+        r.prefilled = False
+        r.status = _WAITING
+        if not self.p.keep_outputs:
+            r.outputs = 0
+        if self.p.requeue == "front":
+            self.waiting.appendleft(r)
+        else:
+            self.waiting.append(r)
+
+    def admit(self, b: _Batch, budget: int, cap: int) -> int:
+        p = self.p
+        skipped: list[_Req] = []
+        while budget > 0 and self.waiting:
+            if len(self.running) >= p.max_seqs:
+                break
+            r = self.waiting[0]
+            if r.inflight > 0:
+                # Preempted with output still in flight: it cannot resume until
+                # that output lands, but it does not block the queue.
+                skipped.append(self.waiting.popleft())
+                continue
+            n = r.num_tokens
+            if 0 < cap < n:
+                n = cap
+            blocked = (not p.chunked_prefill and n > budget) or not self._fits(b, min(n, budget))
+            if not blocked:
+                n = min(n, budget)
+                blocked = not self.reserve(r, n)
+            if blocked:
+                if p.on_blocked == "stop":
+                    break
+                skipped.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            r.status = _RUNNING
+            self.running.append(r)
+            b.sched[r] = n
+            b.admitted += 1
+            budget -= n
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+        return budget
+
+    def reserve(self, r: _Req, n: int) -> bool:
+        """KV admission check and allocation for a waiting request's first chunk."""
+        if self.unlimited:
+            return True
+        p = self.p
+        bs = self.rp._bs
+        applies = p.watermark_applies
+        wm = (
+            self.rp._wm_blocks
+            if applies == "always" or (applies == "while-running" and self.running)
+            else 0
+        )
+        if p.reserve_full_sequence:
+            full = r.num_tokens if not self.rp._mml else min(r.num_tokens, self.rp._mml)
+            if _cdiv(full, bs) + wm > self.free:
+                return False
+        need = max(_cdiv(n, bs), _cdiv(self.rp._reserve_tokens(r), bs))
+        if need + wm > self.free:
+            return False
+        r.blocks = need
+        self.free -= need
+        return True
+
+    def after_schedule(self, b: _Batch) -> None:
+        async_ = self.rp._depth > 1
+        for r, n in b.sched.items():
+            c = r.computed  # context before this batch
+            if r.prefilled:
+                b.dec += n
+                b.dctx += c * n
+            else:
+                b.pre += n
+                b.patt += n * c + n * (n + 1) // 2
+            r.computed += n
+            r.inflight += n
+            if r.computed >= r.num_tokens + r.ph:
+                # Not a partial chunk: this step samples a token for r.
+                r.prefilled = True
+                b.sampled.append(r)
+                if async_:
+                    r.ph += 1
+
+    # -- process outputs ----------------------------------------------------
+
+    def process(self, b: _Batch) -> None:
+        async_ = self.rp._depth > 1
+        for r, n in b.sched.items():
+            r.inflight -= n
+        for r in b.sampled:
+            if r.status == _FINISHED:
+                continue
+            if r.status == _WAITING:
+                # Preempted while its token was in flight: it still receives it.
+                r.outputs += 1
+                r.inflight = 0
+                if r.outputs >= r.target:
+                    r.status = _FINISHED
+                    self.waiting.remove(r)
+                continue
+            r.outputs += 1
+            if async_:
+                r.ph -= 1
+            if r.outputs >= r.target:
+                r.status = _FINISHED
+                if not self.unlimited:
+                    self.free += r.blocks
+                r.blocks = 0
+                self.running.remove(r)
+        if not b.sched:
+            # The in-flight batch at the snapshot only carries placeholders.
+            for r in b.sampled:
+                r.inflight = 0
+
+    # -- eq. 12 --------------------------------------------------------------
+
+    def account(self, b: _Batch) -> float:
+        dt = self.b0 + self.b1 * (b.pre + b.dec) + self.b2 * b.dctx + self.b3 * b.patt
+        if self.record:
+            self.batches.append(
+                BatchRecord(
+                    num_seqs=len(b.sched),
+                    prefill_tokens=b.pre,
+                    decode_tokens=b.dec,
+                    decode_context=b.dctx,
+                    prefill_attention=b.patt,
+                    admitted=b.admitted,
+                    preempted=b.preempted,
+                    duration_s=dt,
+                    tokens_by_request=tuple((r.rid, n) for r, n in b.sched.items()),
+                )
+            )
+        return dt

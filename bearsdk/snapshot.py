@@ -1,0 +1,423 @@
+"""The ``bear.snapshot/1`` workload snapshot: model, strict decoder, compact form.
+
+An engine publishes a snapshot of its resident requests after every step
+(``../shared/CONTRACTS.md`` section 1). The router keeps the latest valid one per
+instance and replays batch formation from it. This module turns the wire form
+(JSON) into a :class:`Snapshot`, validating every field; a document that fails
+validation raises :class:`~bearsdk.errors.SnapshotError` naming the field and the
+value and never yields a partial snapshot.
+
+The replay loop does not read Python objects: :attr:`Snapshot.table` is an
+``int64`` array with one row per request, in scheduling order, whose columns are
+named by the ``COL_*`` constants below. It is built once, at decode time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from bearsdk.errors import SnapshotError
+
+__all__ = [
+    "COLUMNS",
+    "SCHEMA",
+    "KVState",
+    "RequestState",
+    "Snapshot",
+    "decode_snapshot",
+    "snapshot_from_dict",
+]
+
+SCHEMA: Final = "bear.snapshot/1"
+
+# Columns of Snapshot.table. The Cython replay reads the same indices; a test
+# pins them so the two cannot drift apart.
+COL_STATE: Final = 0  # 0 running, 1 waiting
+COL_PROMPT: Final = 1
+COL_COMPUTED: Final = 2
+COL_OUTPUT: Final = 3
+COL_MAX_TOKENS: Final = 4  # -1: no cap known
+COL_OUTPUT_LEN: Final = 5  # -1: unknown, to be predicted
+COL_PLACEHOLDERS: Final = 6
+COLUMNS: Final = (
+    "state",
+    "prompt_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "max_tokens",
+    "output_len",
+    "placeholders",
+)
+NCOLS: Final = len(COLUMNS)
+STATE_RUNNING: Final = 0
+STATE_WAITING: Final = 1
+
+_STATES: Final = {"running": STATE_RUNNING, "waiting": STATE_WAITING}
+_REQUEST_REQUIRED: Final = ("id", "state", "prompt_tokens", "computed_tokens", "output_tokens")
+_REQUEST_OPTIONAL: Final = ("max_tokens", "output_len", "placeholders")
+_REQUEST_FIELDS: Final = frozenset(_REQUEST_REQUIRED + _REQUEST_OPTIONAL)
+_KV_FIELDS: Final = frozenset(("block_size", "num_blocks", "free_blocks"))
+
+
+@attrs.frozen
+class KVState:
+    """KV-cache geometry and occupancy as the engine counts it.
+
+    Attributes:
+        block_size: Tokens per KV block.
+        num_blocks: Blocks in the engine's pool.
+        free_blocks: Blocks free when the snapshot was taken.
+    """
+
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+
+
+@attrs.frozen
+class RequestState:
+    """One resident request, as a row of a snapshot.
+
+    Attributes:
+        id: Engine request id.
+        state: ``"running"`` (admitted, holds KV blocks) or ``"waiting"``.
+        prompt_tokens: Prompt length in tokens.
+        computed_tokens: Tokens whose KV is computed (vLLM's ``num_computed_tokens``).
+        output_tokens: Output tokens produced so far.
+        max_tokens: The request's cap on output tokens, when known.
+        output_len: The request's total output length, when known.
+        placeholders: Output tokens scheduled in the batch still in flight (async).
+    """
+
+    id: str
+    state: str
+    prompt_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    max_tokens: int | None = None
+    output_len: int | None = None
+    placeholders: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the wire form of this request (optional fields only when set)."""
+        d: dict[str, Any] = {
+            "id": self.id,
+            "state": self.state,
+            "prompt_tokens": self.prompt_tokens,
+            "computed_tokens": self.computed_tokens,
+            "output_tokens": self.output_tokens,
+        }
+        if self.max_tokens is not None:
+            d["max_tokens"] = self.max_tokens
+        if self.output_len is not None:
+            d["output_len"] = self.output_len
+        if self.placeholders:
+            d["placeholders"] = self.placeholders
+        return d
+
+
+def _freeze_table(table: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    table.setflags(write=False)
+    return table
+
+
+@attrs.frozen(eq=False)
+class Snapshot:
+    """A validated ``bear.snapshot/1``.
+
+    Build one with :func:`decode_snapshot` (bytes or str) or
+    :func:`snapshot_from_dict`; both validate. ``Snapshot(...)`` itself trusts
+    its arguments.
+
+    Attributes:
+        instance: Name of the engine instance.
+        seq: Engine step counter (strictly increasing per instance).
+        time: Capture time, seconds since the Unix epoch (engine clock).
+        kv: KV-cache state, when the engine reports it.
+        ids: Request ids, in scheduling order (running first, then waiting).
+        table: Read-only ``int64`` array, one row per request, columns ``COLUMNS``.
+        inflight_remaining_s: Time until the batch executing at capture completes.
+    """
+
+    instance: str
+    seq: int
+    time: float
+    kv: KVState | None
+    ids: tuple[str, ...]
+    table: npt.NDArray[np.int64] = attrs.field(converter=_freeze_table)
+    inflight_remaining_s: float | None = None
+
+    @property
+    def num_running(self) -> int:
+        """Number of running (admitted) requests."""
+        return int(np.count_nonzero(self.table[:, COL_STATE] == STATE_RUNNING))
+
+    @property
+    def num_waiting(self) -> int:
+        """Number of waiting (queued or preempted) requests."""
+        return len(self.ids) - self.num_running
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def requests(self) -> list[RequestState]:
+        """Return the requests as :class:`RequestState` values, in scheduling order."""
+        out = []
+        for rid, row in zip(self.ids, self.table.tolist(), strict=True):
+            out.append(
+                RequestState(
+                    id=rid,
+                    state="running" if row[COL_STATE] == STATE_RUNNING else "waiting",
+                    prompt_tokens=row[COL_PROMPT],
+                    computed_tokens=row[COL_COMPUTED],
+                    output_tokens=row[COL_OUTPUT],
+                    max_tokens=None if row[COL_MAX_TOKENS] < 0 else row[COL_MAX_TOKENS],
+                    output_len=None if row[COL_OUTPUT_LEN] < 0 else row[COL_OUTPUT_LEN],
+                    placeholders=row[COL_PLACEHOLDERS],
+                )
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the wire form (round-trips through :func:`snapshot_from_dict`)."""
+        d: dict[str, Any] = {
+            "schema": SCHEMA,
+            "instance": self.instance,
+            "seq": self.seq,
+            "time": self.time,
+        }
+        if self.kv is not None:
+            d["kv"] = attrs.asdict(self.kv)
+        d["requests"] = [r.to_dict() for r in self.requests()]
+        if self.inflight_remaining_s is not None:
+            d["inflight"] = {"remaining_s": self.inflight_remaining_s}
+        return d
+
+    def to_json(self) -> bytes:
+        """Return the wire form as JSON bytes."""
+        return orjson.dumps(self.to_dict())
+
+    @classmethod
+    def build(
+        cls,
+        requests: Iterable[RequestState | Mapping[str, Any]],
+        *,
+        instance: str = "local",
+        seq: int = 0,
+        time: float = 0.0,
+        kv: KVState | None = None,
+        inflight_remaining_s: float | None = None,
+    ) -> Snapshot:
+        """Build and validate a snapshot from request values or dicts.
+
+        Args:
+            requests: Resident requests in scheduling order.
+            instance: Instance name.
+            seq: Step counter.
+            time: Capture time (Unix seconds).
+            kv: KV-cache state, if known.
+            inflight_remaining_s: Remaining time of the batch in flight, if any.
+
+        Returns:
+            The validated snapshot.
+
+        Raises:
+            SnapshotError: A field is missing or out of range.
+        """
+        doc: dict[str, Any] = {
+            "schema": SCHEMA,
+            "instance": instance,
+            "seq": seq,
+            "time": time,
+            "requests": [r.to_dict() if isinstance(r, RequestState) else dict(r) for r in requests],
+        }
+        if kv is not None:
+            doc["kv"] = attrs.asdict(kv)
+        if inflight_remaining_s is not None:
+            doc["inflight"] = {"remaining_s": inflight_remaining_s}
+        return snapshot_from_dict(doc)
+
+
+def decode_snapshot(data: bytes | bytearray | memoryview | str) -> Snapshot:
+    """Decode and validate a ``bear.snapshot/1`` JSON document.
+
+    Args:
+        data: The JSON text.
+
+    Returns:
+        The validated snapshot.
+
+    Raises:
+        SnapshotError: Malformed JSON, wrong schema, or a bad field; the message
+            names the field and the value.
+    """
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise SnapshotError("", f"is not valid JSON ({exc})") from None
+    return snapshot_from_dict(doc)
+
+
+def _int(v: object, field: str, lo: int, hi: int | None = None) -> int:
+    # bool is an int subclass: reject it explicitly, a flag is never a count.
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise SnapshotError(field, f"must be an integer {rng} (got {v!r})", v)
+    return v
+
+
+def _kv(v: object) -> KVState:
+    if not isinstance(v, Mapping):
+        raise SnapshotError("kv", f"must be an object (got {v!r})", v)
+    for key in v:
+        if key not in _KV_FIELDS:
+            raise SnapshotError(f"kv.{key}", f"is not a known field (got {v[key]!r})", v[key])
+    for key in _KV_FIELDS:
+        if key not in v:
+            raise SnapshotError(f"kv.{key}", "is required")
+    bs = _int(v["block_size"], "kv.block_size", 1)
+    nb = _int(v["num_blocks"], "kv.num_blocks", 1)
+    fb = _int(v["free_blocks"], "kv.free_blocks", 0, nb)
+    return KVState(bs, nb, fb)
+
+
+def _row(i: int, r: object) -> tuple[str, list[int]]:
+    where = f"requests[{i}]"
+    if not isinstance(r, Mapping):
+        raise SnapshotError(where, f"must be an object (got {r!r})", r)
+    for key in r:
+        if key not in _REQUEST_FIELDS:
+            raise SnapshotError(
+                f"{where}.{key}", f"is not a known request field (got {r[key]!r})", r[key]
+            )
+    for key in _REQUEST_REQUIRED:
+        if key not in r:
+            raise SnapshotError(f"{where}.{key}", "is required")
+    rid = r["id"]
+    if not isinstance(rid, str) or not rid:
+        raise SnapshotError(f"{where}.id", f"must be a non-empty string (got {rid!r})", rid)
+    state = _STATES.get(r["state"]) if isinstance(r["state"], str) else None
+    if state is None:
+        raise SnapshotError(
+            f"{where}.state", f"must be 'running' or 'waiting' (got {r['state']!r})", r["state"]
+        )
+    prompt = _int(r["prompt_tokens"], f"{where}.prompt_tokens", 1)
+    output = _int(r["output_tokens"], f"{where}.output_tokens", 0)
+    ph = _int(r.get("placeholders", 0), f"{where}.placeholders", 0)
+    if state == STATE_WAITING:
+        computed = _int(r["computed_tokens"], f"{where}.computed_tokens", 0, 0)
+        if ph:
+            raise SnapshotError(
+                f"{where}.placeholders", f"must be 0 for a waiting request (got {ph})", ph
+            )
+    else:
+        computed = _int(r["computed_tokens"], f"{where}.computed_tokens", 0, prompt + output + ph)
+    max_tokens = r.get("max_tokens")
+    mt = -1 if max_tokens is None else _int(max_tokens, f"{where}.max_tokens", 1)
+    output_len = r.get("output_len")
+    ol = -1
+    if output_len is not None:
+        # A resident request still has at least one token to produce.
+        ol = _int(output_len, f"{where}.output_len", max(1, output + 1))
+        if mt >= 0 and ol > mt:
+            raise SnapshotError(
+                f"{where}.output_len", f"must be <= max_tokens {mt} (got {ol})", output_len
+            )
+    if mt >= 0 and output >= mt:
+        raise SnapshotError(
+            f"{where}.max_tokens", f"must be > output_tokens {output} (got {mt})", max_tokens
+        )
+    return rid, [state, prompt, computed, output, mt, ol, ph]
+
+
+def snapshot_from_dict(doc: object) -> Snapshot:
+    """Validate a decoded ``bear.snapshot/1`` document and build a :class:`Snapshot`.
+
+    Unknown top-level keys are ignored (forward compatibility); unknown or
+    malformed request fields are errors.
+
+    Args:
+        doc: The decoded JSON object.
+
+    Returns:
+        The validated snapshot.
+
+    Raises:
+        SnapshotError: Wrong schema or a bad field.
+    """
+    if not isinstance(doc, Mapping):
+        raise SnapshotError("", f"must be a JSON object (got {type(doc).__name__})", doc)
+    schema = doc.get("schema")
+    if schema != SCHEMA:
+        raise SnapshotError("schema", f"must be {SCHEMA!r} (got {schema!r})", schema)
+    instance = doc.get("instance")
+    if not isinstance(instance, str) or not instance:
+        raise SnapshotError("instance", f"must be a non-empty string (got {instance!r})", instance)
+    seq = _int(doc.get("seq"), "seq", 0)
+    t = doc.get("time")
+    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
+        raise SnapshotError("time", f"must be a finite number (got {t!r})", t)
+    kv = _kv(doc["kv"]) if doc.get("kv") is not None else None
+    inflight = doc.get("inflight")
+    remaining: float | None = None
+    if inflight is not None:
+        if not isinstance(inflight, Mapping) or "remaining_s" not in inflight:
+            raise SnapshotError(
+                "inflight", f"must be an object with remaining_s (got {inflight!r})"
+            )
+        rs = inflight["remaining_s"]
+        if type(rs) not in (int, float) or not (0.0 <= rs < math.inf):
+            raise SnapshotError(
+                "inflight.remaining_s", f"must be a finite number >= 0 (got {rs!r})", rs
+            )
+        remaining = float(rs)
+    reqs = doc.get("requests")
+    if not isinstance(reqs, Sequence) or isinstance(reqs, str | bytes):
+        raise SnapshotError("requests", f"must be a list (got {reqs!r})", reqs)
+    ids: list[str] = []
+    rows: list[list[int]] = []
+    seen: set[str] = set()
+    seen_waiting = False
+    for i, r in enumerate(reqs):
+        rid, row = _row(i, r)
+        if rid in seen:
+            raise SnapshotError(f"requests[{i}].id", f"is a duplicate (got {rid!r})", rid)
+        seen.add(rid)
+        if row[COL_STATE] == STATE_WAITING:
+            seen_waiting = True
+        elif seen_waiting:
+            raise SnapshotError(
+                f"requests[{i}].state",
+                "'running' after a waiting request: requests must be in scheduling order "
+                "(running first, then waiting)",
+                "running",
+            )
+        ids.append(rid)
+        rows.append(row)
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+    if kv is not None:
+        held = sum(-(-row[COL_COMPUTED] // kv.block_size) for row in rows)
+        if held > kv.num_blocks:
+            raise SnapshotError(
+                "kv.num_blocks",
+                f"is smaller than the {held} blocks the running requests hold "
+                f"(got {kv.num_blocks})",
+                kv.num_blocks,
+            )
+    return Snapshot(
+        instance=instance,
+        seq=seq,
+        time=float(t),
+        kv=kv,
+        ids=tuple(ids),
+        table=table,
+        inflight_remaining_s=remaining,
+    )

@@ -1,0 +1,1808 @@
+# Compiled replay of batch formation (bearsdk.replay._replay_c).
+#
+# Same contract as bearsdk/replay/_replay_py.py (the readable reference); the
+# property tests require identical batch sequences. What makes it fast:
+#
+# * Plain decodes are aggregates, not loop iterations. A decoding request is
+#   "lazy": its context is base + vt and its delivered-output count obase + vt,
+#   where vt counts batches that served every lazy decode. Per batch the decodes
+#   cost O(1): a count, a context sum and a histogram of block phases (which
+#   decodes cross a KV-block boundary at this vt). Finishes come off two event
+#   queues (a sorted array built once per snapshot, plus a heap for decodes that
+#   start during the replay).
+# * Runs of identical decode-only batches (the new request waits on memory or a
+#   seat) are summed in closed form up to the next event.
+# * Steps that need the exact order of requests (a preemption, a budget cut in
+#   the middle of the running list) materialise every request and run the same
+#   per-request algorithm as the twin, then fold the decodes back into the
+#   aggregate.
+#
+# The loop is specialised per policy with fused "tag" types (KV allocation mode
+# x pipeline depth x budget counting): twelve instantiations chosen once when a
+# policy is compiled. Directives are set once in setup.py (BEARSDK_CYTHON_DEBUG=1
+# turns bounds checks back on).
+
+from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdlib cimport free, malloc, qsort, realloc
+from libc.string cimport memcpy, memset
+
+import numpy as np
+
+from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+from bearsdk.snapshot import (
+    COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
+    COL_PROMPT, COL_STATE, NCOLS, STATE_RUNNING,
+)
+
+IMPLEMENTATION = "cython"
+
+cdef extern from "math.h" nogil:
+    double INFINITY
+
+# ---------------------------------------------------------------------------
+# Policy, specialisation tags
+# ---------------------------------------------------------------------------
+
+ctypedef struct OnDemand:
+    char _unused
+ctypedef struct WholePrompt:
+    char _unused
+ctypedef struct MaxLength:
+    char _unused
+ctypedef fused Alloc:
+    OnDemand
+    WholePrompt
+    MaxLength
+
+ctypedef struct SyncPipe:
+    char _unused
+ctypedef struct AsyncPipe:
+    char _unused
+ctypedef fused Pipe:
+    SyncPipe
+    AsyncPipe
+
+ctypedef struct TokenCount:
+    char _unused
+ctypedef struct PaddedCount:
+    char _unused
+ctypedef fused Count:
+    TokenCount
+    PaddedCount
+
+cdef enum:
+    STAGE_RUNNING = 0
+    STAGE_DECODES = 1
+    STAGE_PREFILLS = 2
+    STAGE_WAITING = 3
+
+cdef enum:
+    WM_ALWAYS = 0
+    WM_WHILE_RUNNING = 1
+    WM_NEVER = 2
+
+cdef enum:
+    S_RUNNING = 0
+    S_WAITING = 1
+    S_FINISHED = 2
+
+cdef enum:
+    R_FIRST_TOKEN = 0
+    R_NEVER = 1
+    R_LIMIT = 2
+    R_NOMEM = -1
+
+DEF BIG = 1 << 60
+DEF NEVER_SCHEDULED = -(1 << 40)
+
+ctypedef struct Params:
+    int64_t token_budget
+    int64_t max_seqs
+    int64_t mml
+    int64_t chunk_cap
+    int64_t bs
+    int64_t num_blocks
+    int64_t reserved
+    int64_t wm_blocks
+    int32_t n_stages
+    int32_t stages[4]
+    int32_t wm_applies
+    bint exclusive
+    bint admit_after_preemption
+    bint chunked
+    bint cap_exempt_alone
+    bint stop_on_blocked
+    bint reserve_full
+    bint one_free
+    bint victim_newest
+    bint requeue_front
+    bint keep_outputs
+
+# ---------------------------------------------------------------------------
+# Per-request state
+# ---------------------------------------------------------------------------
+
+ctypedef struct Req:
+    int64_t prompt
+    int64_t outputs       # delivered output tokens (explicit requests)
+    int64_t target        # outputs at which the request finishes
+    int64_t limit         # outputs at which the scheduler knows it stops
+    int64_t computed      # explicit requests
+    int64_t blocks        # explicit requests; max-length lazies keep theirs here
+    int64_t base          # lazy: computed = base + vt
+    int64_t obase         # lazy: delivered + in-flight outputs = obase + vt
+    int64_t served_until  # lazy: last vt at which it is served
+    int64_t t_last        # lazy: vt whose batch delivers its last output
+    int64_t lazy_since    # lazy: first vt served lazily
+    int64_t last_sched    # step index of the last batch that scheduled it
+    int64_t in_batch      # step index of the batch being formed, once scheduled in it
+    int32_t ph            # async placeholders (explicit requests)
+    int32_t ro_pos        # index in run_order
+    int32_t gen           # bumped whenever queued events become stale
+    int8_t status
+    int8_t lazy
+    int8_t prefilled
+    int8_t eos            # stops before `limit`: async schedules one wasted token
+
+ctypedef struct Ev:
+    int64_t key
+    int32_t slot
+    int32_t gen
+
+ctypedef struct EvQ:
+    Ev* sorted_        # owned by Prepared (read only)
+    int64_t n_sorted
+    int64_t pos
+    Ev* heap
+    int64_t n_heap
+    int64_t cap_heap
+
+ctypedef struct Batch:
+    int64_t vt           # vt served (lazies), or -2: none
+    int32_t* rel         # explicit releases at processing
+    int64_t n_rel
+    int32_t* stale       # preempted requests whose batch this is
+    int8_t* stale_tok    # ... and whether it carries a token for them
+    int64_t n_stale
+    Ev* samp             # explicit requests with a token in this batch (async);
+    int64_t n_samp       #   an entry is void once its request's gen moves on
+    int64_t nsched
+    int64_t pre
+    int64_t dec
+    int64_t dctx
+    int64_t patt
+    int64_t admitted
+    int64_t preempted
+    bint active          # in the pipeline, not processed yet
+    bint sampled_any
+
+ctypedef struct State:
+    Params* P
+    Req* r               # per-replay copies, made on first touch (see R)
+    Req* src             # the prepared snapshot's requests (read only)
+    int32_t* epoch       # epoch[s] == cur: r[s] is this replay's copy
+    int32_t cur
+    int64_t n_slots
+    int64_t cap
+    # running order (admission order) with tombstones (-1)
+    int32_t* ro
+    int64_t ro_n
+    int64_t ro_cap
+    int64_t n_running
+    # explicit running requests still prefilling, in running order
+    int32_t* ex
+    int64_t n_ex
+    # waiting queue: ring buffer
+    int32_t* wq
+    int64_t wq_head
+    int64_t wq_n
+    int64_t wq_cap
+    # lazy aggregate
+    int64_t n_lazy
+    int64_t s_base       # sum of base over lazies
+    int64_t* hist        # lazies growing on demand, by base mod bs
+    int64_t n_grow
+    EvQ leave
+    EvQ release
+    # KV
+    int64_t free_blocks
+    bint unlimited
+    # clocks
+    int64_t vt           # vt of the next batch that serves the lazies
+    int64_t step         # schedule() calls so far
+    int64_t k            # non-empty batches so far
+    bint materialized
+    bint force_slow
+    # pipeline (depth 1 or 2) + the in-flight batch at the snapshot
+    Batch ring[3]
+    int64_t ring_head    # index of the oldest unprocessed batch
+    int64_t ring_n
+    # scratch
+    int32_t* sched       # slots scheduled explicitly in the current batch
+    int64_t* sched_n
+    int8_t* sched_dec
+    int64_t* sched_ctx
+    int64_t n_sched
+    int32_t* tmp
+    int64_t* grant
+    int32_t new_slot
+    bint found
+    Batch* unlazy_batch  # the batch in flight while one is formed (async), else NULL
+    double b0
+    double b1
+    double b2
+    double b3
+    double t
+    # optional batch log
+    bint record
+    int64_t* log
+    int64_t n_log
+    int64_t cap_log
+
+
+cdef inline Req* R(State* st, int64_t s) noexcept nogil:
+    """This replay's copy of request s, copied from the prepared state on first use.
+
+    Most replays touch a handful of requests; copying all of them up front
+    cost more than the replay itself for large snapshots.
+    """
+    if st.epoch[s] != st.cur:
+        st.r[s] = st.src[s]
+        st.epoch[s] = st.cur
+    return &st.r[s]
+
+
+cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
+    # cdivision is on (C truncation): only valid for a >= 0, b > 0.
+    return (a + b - 1) // b
+
+
+cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef inline int64_t imax(int64_t a, int64_t b) noexcept nogil:
+    return a if a > b else b
+
+
+cdef inline int64_t pmod(int64_t a, int64_t b) noexcept nogil:
+    cdef int64_t m = a % b
+    return m + b if m < 0 else m
+
+# ---------------------------------------------------------------------------
+# Event queues: a sorted array (per snapshot) merged with a binary heap
+# ---------------------------------------------------------------------------
+
+cdef inline bint ev_less(Ev* a, Ev* b) noexcept nogil:
+    return a.key < b.key or (a.key == b.key and a.slot < b.slot)
+
+
+cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) noexcept nogil:
+    cdef Ev* nh
+    cdef int64_t i, p
+    cdef Ev e
+    if q.n_heap == q.cap_heap:
+        nh = <Ev*>realloc(q.heap, sizeof(Ev) * (q.cap_heap * 2 + 16))
+        if nh == NULL:
+            return -1
+        q.heap = nh
+        q.cap_heap = q.cap_heap * 2 + 16
+    e.key = key
+    e.slot = slot
+    e.gen = gen
+    i = q.n_heap
+    q.n_heap += 1
+    while i > 0:
+        p = (i - 1) >> 1
+        if not ev_less(&e, &q.heap[p]):
+            break
+        q.heap[i] = q.heap[p]
+        i = p
+    q.heap[i] = e
+    return 0
+
+
+cdef void heap_pop(EvQ* q) noexcept nogil:
+    cdef int64_t i = 0, c, n
+    cdef Ev last
+    q.n_heap -= 1
+    n = q.n_heap
+    if n == 0:
+        return
+    last = q.heap[n]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and ev_less(&q.heap[c + 1], &q.heap[c]):
+            c += 1
+        if not ev_less(&q.heap[c], &last):
+            break
+        q.heap[i] = q.heap[c]
+        i = c
+    q.heap[i] = last
+
+
+cdef inline bint ev_valid(State* st, Ev* e) noexcept nogil:
+    return R(st, e.slot).gen == e.gen
+
+
+cdef Ev* evq_top(State* st, EvQ* q) noexcept nogil:
+    """Smallest valid event, dropping stale ones; NULL when empty."""
+    cdef Ev* a
+    cdef Ev* b
+    while q.pos < q.n_sorted and not ev_valid(st, &q.sorted_[q.pos]):
+        q.pos += 1
+    while q.n_heap > 0 and not ev_valid(st, &q.heap[0]):
+        heap_pop(q)
+    a = &q.sorted_[q.pos] if q.pos < q.n_sorted else NULL
+    b = &q.heap[0] if q.n_heap > 0 else NULL
+    if a == NULL:
+        return b
+    if b == NULL:
+        return a
+    return a if ev_less(a, b) else b
+
+
+cdef void evq_drop(EvQ* q, Ev* e) noexcept nogil:
+    if q.pos < q.n_sorted and e == &q.sorted_[q.pos]:
+        q.pos += 1
+    else:
+        heap_pop(q)
+
+# ---------------------------------------------------------------------------
+# Containers
+# ---------------------------------------------------------------------------
+
+cdef inline int32_t wq_at(State* st, int64_t i) noexcept nogil:
+    return st.wq[(st.wq_head + i) % st.wq_cap]
+
+
+cdef inline void wq_push_back(State* st, int32_t s) noexcept nogil:
+    st.wq[(st.wq_head + st.wq_n) % st.wq_cap] = s
+    st.wq_n += 1
+
+
+cdef inline void wq_push_front(State* st, int32_t s) noexcept nogil:
+    st.wq_head = (st.wq_head + st.wq_cap - 1) % st.wq_cap
+    st.wq[st.wq_head] = s
+    st.wq_n += 1
+
+
+cdef inline int32_t wq_pop_front(State* st) noexcept nogil:
+    cdef int32_t s = st.wq[st.wq_head]
+    st.wq_head = (st.wq_head + 1) % st.wq_cap
+    st.wq_n -= 1
+    return s
+
+
+cdef void wq_remove(State* st, int32_t s) noexcept nogil:
+    cdef int64_t i, j
+    for i in range(st.wq_n):
+        if wq_at(st, i) == s:
+            for j in range(i, st.wq_n - 1):
+                st.wq[(st.wq_head + j) % st.wq_cap] = st.wq[(st.wq_head + j + 1) % st.wq_cap]
+            st.wq_n -= 1
+            return
+
+
+cdef void ro_compact(State* st) noexcept nogil:
+    cdef int64_t i, j = 0
+    cdef int32_t s
+    for i in range(st.ro_n):
+        s = st.ro[i]
+        if s >= 0:
+            st.ro[j] = s
+            R(st, s).ro_pos = <int32_t>j
+            j += 1
+    st.ro_n = j
+
+
+cdef inline void ro_append(State* st, int32_t s) noexcept nogil:
+    if st.ro_n == st.ro_cap:
+        ro_compact(st)
+    st.ro[st.ro_n] = s
+    R(st, s).ro_pos = <int32_t>st.ro_n
+    st.ro_n += 1
+    st.n_running += 1
+
+
+cdef inline void ro_remove(State* st, int32_t s) noexcept nogil:
+    st.ro[R(st, s).ro_pos] = -1
+    st.n_running -= 1
+    while st.ro_n > 0 and st.ro[st.ro_n - 1] < 0:
+        st.ro_n -= 1
+
+
+cdef void ex_remove(State* st, int32_t s) noexcept nogil:
+    cdef int64_t i, j
+    for i in range(st.n_ex):
+        if st.ex[i] == s:
+            for j in range(i, st.n_ex - 1):
+                st.ex[j] = st.ex[j + 1]
+            st.n_ex -= 1
+            return
+
+
+cdef void ex_insert_ordered(State* st, int32_t s) noexcept nogil:
+    """Insert keeping running order (ro_pos); appends are the common case."""
+    cdef int64_t i = st.n_ex
+    while i > 0 and R(st, st.ex[i - 1]).ro_pos > R(st, s).ro_pos:
+        st.ex[i] = st.ex[i - 1]
+        i -= 1
+    st.ex[i] = s
+    st.n_ex += 1
+
+# ---------------------------------------------------------------------------
+# Lazy decodes
+# ---------------------------------------------------------------------------
+
+cdef inline void samp_add(Batch* b, int32_t s, int32_t gen) noexcept nogil:
+    b.samp[b.n_samp].slot = s
+    b.samp[b.n_samp].gen = gen
+    b.n_samp += 1
+
+
+cdef inline bint grows(Alloc* a) noexcept nogil:
+    if Alloc is MaxLength:
+        return False
+    else:
+        return True
+
+
+cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) noexcept nogil:
+    """Fold a decoding request (state at the next serving vt) into the aggregate.
+
+    ``pending``: outputs delivered or in flight. Returns 1 when the request has
+    nothing left to schedule (it becomes a zombie awaiting release), else 0.
+    """
+    cdef Req* q = R(st, s)
+    cdef int64_t v = st.vt
+    q.t_last = q.target - pending + v - 1
+    q.served_until = q.t_last
+    if Pipe is AsyncPipe:
+        if q.eos:
+            q.served_until += 1
+    if q.served_until < v:
+        return 1
+    q.base = q.computed - v
+    q.obase = pending - v
+    q.lazy_since = v
+    q.lazy = 1
+    q.gen += 1
+    st.n_lazy += 1
+    st.s_base += q.base
+    if grows(a):
+        st.hist[pmod(q.base, st.P.bs)] += 1
+        st.n_grow += 1
+    if heap_push(&st.leave, q.served_until, s, q.gen) or heap_push(&st.release, q.t_last, s, q.gen):
+        return -1
+    return 0
+
+
+cdef void unlazy(State* st, Alloc* a, Pipe* p, int32_t s) noexcept nogil:
+    """Make a lazy request explicit, as it stands when the batch at st.vt is formed."""
+    cdef Req* q = R(st, s)
+    cdef int64_t v = st.vt
+    cdef int64_t served = imin(v, q.served_until + 1)  # vt values served so far, + base
+    cdef int64_t last_served = served - 1
+    cdef int64_t pending = q.obase + served
+    q.computed = q.base + served
+    if last_served >= q.lazy_since:
+        q.last_sched = st.step - (v - last_served)
+    if Pipe is AsyncPipe:
+        # A token is in flight iff the previous batch scheduled it; that batch
+        # turns it into an output when it is processed.
+        q.ph = 1 if q.last_sched == st.step - 1 else 0
+    else:
+        q.ph = 0
+    q.outputs = pending - q.ph
+    if grows(a):
+        q.blocks = cdiv(q.computed, st.P.bs)
+        st.hist[pmod(q.base, st.P.bs)] -= 1
+        st.n_grow -= 1
+    st.n_lazy -= 1
+    st.s_base -= q.base
+    q.lazy = 0
+    q.gen += 1   # its queued leave/release events are void
+    if Pipe is AsyncPipe:
+        if q.ph and st.unlazy_batch != NULL:
+            samp_add(st.unlazy_batch, s, q.gen)
+
+
+cdef int pop_leaves(State* st, Alloc* a, Pipe* p) noexcept nogil:
+    """Lazies whose last scheduled vt has passed leave the aggregate (zombies)."""
+    cdef Ev* e
+    cdef int32_t s
+    while True:
+        e = evq_top(st, &st.leave)
+        if e == NULL or e.key >= st.vt:
+            return 0
+        s = e.slot
+        evq_drop(&st.leave, e)
+        unlazy(st, a, p, s)
+        # Still running, holding its seat and blocks, until its last output lands.
+        if heap_push(&st.release, R(st, s).t_last, s, R(st, s).gen):
+            return -1
+
+
+cdef inline int64_t lazy_demand(State* st, int64_t v) noexcept nogil:
+    """Blocks the lazies need at vt ``v``: those whose context sits on a block boundary."""
+    if st.n_grow == 0:
+        return 0
+    return st.hist[pmod(-v, st.P.bs)]
+
+# ---------------------------------------------------------------------------
+# Releasing finished requests (processing a batch's outputs)
+# ---------------------------------------------------------------------------
+
+cdef void release(State* st, Alloc* a, Pipe* p, int32_t s) noexcept nogil:
+    cdef Req* q = R(st, s)
+    if q.lazy:
+        unlazy(st, a, p, s)
+    if not st.unlimited:
+        st.free_blocks += q.blocks
+    q.blocks = 0
+    q.status = S_FINISHED
+    q.gen += 1
+    ro_remove(st, s)
+
+
+cdef void process(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
+    cdef int64_t i
+    cdef int32_t s
+    cdef Ev* e
+    cdef Req* q
+    for i in range(b.n_rel):
+        s = b.rel[i]
+        if R(st, s).status == S_RUNNING:
+            release(st, a, p, s)
+    if Pipe is AsyncPipe:
+        # Tokens of requests that are explicit now land: placeholder -> output.
+        for i in range(b.n_samp):
+            q = R(st, b.samp[i].slot)
+            if q.gen == b.samp[i].gen and q.status == S_RUNNING and not q.lazy and q.ph > 0:
+                q.ph -= 1
+                q.outputs += 1
+    for i in range(b.n_stale):
+        s = b.stale[i]
+        q = R(st, s)
+        if q.status != S_WAITING:
+            continue
+        if b.stale_tok[i]:
+            # Preempted while its token was in flight: it still receives it.
+            q.outputs += 1
+            if q.outputs >= q.target:
+                q.status = S_FINISHED
+                q.gen += 1
+                wq_remove(st, s)
+    if b.vt > -2:
+        while True:
+            e = evq_top(st, &st.release)
+            if e == NULL or e.key > b.vt:
+                break
+            s = e.slot
+            evq_drop(&st.release, e)
+            if R(st, s).status == S_RUNNING:
+                release(st, a, p, s)
+    b.active = False
+
+
+cdef inline Batch* ring_new(State* st) noexcept nogil:
+    cdef Batch* b = &st.ring[(st.ring_head + st.ring_n) % 3]
+    st.ring_n += 1
+    b.vt = -2
+    b.n_rel = 0
+    b.n_stale = 0
+    b.n_samp = 0
+    b.nsched = 0
+    b.pre = 0
+    b.dec = 0
+    b.dctx = 0
+    b.patt = 0
+    b.admitted = 0
+    b.preempted = 0
+    b.active = True
+    b.sampled_any = False
+    return b
+
+
+cdef inline Batch* ring_prev(State* st) noexcept nogil:
+    """While a batch is being formed: the one still in flight (async), or NULL."""
+    if st.ring_n < 2:
+        return NULL
+    return &st.ring[st.ring_head]
+
+
+cdef inline void ring_pop(State* st, Alloc* a, Pipe* p) noexcept nogil:
+    process(st, a, p, &st.ring[st.ring_head])
+    st.ring_head = (st.ring_head + 1) % 3
+    st.ring_n -= 1
+
+# ---------------------------------------------------------------------------
+# Exact per-request scheduling (the twin's algorithm)
+# ---------------------------------------------------------------------------
+
+cdef void materialize(State* st, Alloc* a, Pipe* p) noexcept nogil:
+    cdef int64_t i
+    cdef int32_t s
+    if st.materialized:
+        return
+    for i in range(st.ro_n):
+        s = st.ro[i]
+        if s >= 0 and R(st, s).lazy:
+            unlazy(st, a, p, s)
+    st.materialized = True
+
+
+cdef inline int64_t reserve_tokens(State* st, Alloc* a, Req* q) noexcept nogil:
+    if Alloc is WholePrompt:
+        return q.prompt + q.outputs
+    elif Alloc is MaxLength:
+        return q.prompt + q.limit
+    else:
+        return 0
+
+
+cdef inline bint fits(State* st, Count* c, Batch* b, int64_t n, int64_t longest) noexcept nogil:
+    if Count is PaddedCount:
+        return (b.nsched + 1) * imax(longest, n) <= st.P.token_budget
+    else:
+        return True
+
+
+cdef void preempt(State* st, Alloc* a, Pipe* p, Batch* b, int32_t s) noexcept nogil:
+    cdef Req* q = R(st, s)
+    cdef Batch* prev
+    cdef bint tok = q.ph > 0
+    if not st.unlimited:
+        st.free_blocks += q.blocks
+    q.blocks = 0
+    q.computed = 0
+    q.ph = 0
+    q.prefilled = 0
+    q.status = S_WAITING
+    q.gen += 1
+    if not st.P.keep_outputs:
+        q.outputs = 0
+    if Pipe is AsyncPipe:
+        if q.last_sched == st.step - 1:
+            prev = ring_prev(st)
+            if prev != NULL:
+                prev.stale[prev.n_stale] = s
+                prev.stale_tok[prev.n_stale] = tok
+                prev.n_stale += 1
+    if st.P.requeue_front:
+        wq_push_front(st, s)
+    else:
+        wq_push_back(st, s)
+    b.preempted += 1
+
+
+cdef int32_t ro_last(State* st) noexcept nogil:
+    return st.ro[st.ro_n - 1] if st.ro_n > 0 else -1
+
+
+cdef int64_t unschedule(State* st, Batch* b, int32_t s) noexcept nogil:
+    """Drop s from the batch being formed; return the tokens it had (0: none)."""
+    cdef int64_t i, j, n
+    for i in range(st.n_sched):
+        if st.sched[i] == s:
+            R(st, s).in_batch = -1
+            n = st.sched_n[i]
+            for j in range(i, st.n_sched - 1):
+                st.sched[j] = st.sched[j + 1]
+                st.sched_n[j] = st.sched_n[j + 1]
+                st.sched_dec[j] = st.sched_dec[j + 1]
+                st.sched_ctx[j] = st.sched_ctx[j + 1]
+            st.n_sched -= 1
+            b.nsched -= 1
+            return n
+    return 0
+
+
+cdef bint grow(State* st, Alloc* a, Pipe* p, Batch* b, int32_t s, int64_t n,
+               int64_t* budget) noexcept nogil:
+    """Allocate blocks for n more tokens of running request s, preempting if needed.
+
+    A victim already scheduled in this batch (by an earlier stage) gives its
+    tokens back to ``budget``.
+    """
+    cdef Req* q = R(st, s)
+    cdef bint one_free = st.P.one_free and q.prefilled
+    cdef int64_t need
+    cdef int32_t victim
+    while True:
+        need = imax(cdiv(q.computed + n, st.P.bs) - q.blocks, 0)
+        if st.unlimited or imax(need, <int64_t>one_free) <= st.free_blocks:
+            q.blocks += need
+            if not st.unlimited:
+                st.free_blocks -= need
+            return True
+        if not st.P.victim_newest:
+            return False
+        victim = ro_last(st)
+        ro_remove(st, victim)
+        if R(st, victim).prefilled == 0:
+            ex_remove(st, victim)
+        if victim != s:
+            budget[0] += unschedule(st, b, victim)
+        preempt(st, a, p, b, victim)
+        if victim == s:
+            return False
+
+
+cdef inline void sched_add(State* st, Batch* b, int32_t s, int64_t n) noexcept nogil:
+    cdef Req* q = R(st, s)
+    q.in_batch = st.step
+    st.sched[st.n_sched] = s
+    st.sched_n[st.n_sched] = n
+    st.sched_dec[st.n_sched] = q.prefilled
+    st.sched_ctx[st.n_sched] = q.computed
+    st.n_sched += 1
+    b.nsched += 1
+
+
+cdef inline int64_t running_want(State* st, Req* q, int64_t cap, int64_t budget) noexcept nogil:
+    cdef int64_t n = q.prompt + q.outputs + q.ph - q.computed
+    if 0 < cap < n:
+        n = cap
+    n = imin(n, budget)
+    if st.P.mml:
+        n = imin(n, st.P.mml - q.computed - 1)
+    return n
+
+
+cdef int64_t serve_exact(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
+                         int64_t budget, int64_t cap, int32_t stage, int64_t* longest) noexcept nogil:
+    """The running stage over the materialised running list, in order."""
+    cdef int64_t i = 0, n
+    cdef int32_t s
+    cdef Req* q
+    while i < st.ro_n and budget > 0:
+        s = st.ro[i]
+        if s < 0:
+            i += 1
+            continue
+        q = R(st, s)
+        if (stage == STAGE_DECODES and not q.prefilled) or (stage == STAGE_PREFILLS and q.prefilled) \
+                or q.in_batch == st.step:
+            i += 1
+            continue
+        if q.ph > 0 and q.outputs + q.ph >= q.limit:
+            i += 1
+            continue
+        n = running_want(st, q, cap, budget)
+        if n <= 0 or not fits(st, c, b, n, longest[0]):
+            i += 1
+            continue
+        if not grow(st, a, p, b, s, n, &budget):
+            break
+        sched_add(st, b, s, n)
+        longest[0] = imax(longest[0], n)
+        budget -= n
+        i += 1
+    return budget
+
+
+cdef int64_t serve_prefills(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
+                            int64_t budget, int64_t cap, int64_t* longest) noexcept nogil:
+    """Partial prefills in running order; split_fast_ok ruled out preemptions."""
+    cdef int64_t i = 0, n
+    cdef int32_t s
+    cdef Req* q
+    while i < st.n_ex and budget > 0:
+        s = st.ex[i]
+        q = R(st, s)
+        i += 1
+        if q.in_batch == st.step:
+            continue  # admitted earlier in this batch
+        n = running_want(st, q, cap, budget)
+        if n <= 0 or not fits(st, c, b, n, longest[0]):
+            continue
+        grow(st, a, p, b, s, n, &budget)
+        sched_add(st, b, s, n)
+        longest[0] = imax(longest[0], n)
+        budget -= n
+    return budget
+
+
+cdef bint reserve(State* st, Alloc* a, Req* q, int64_t n) noexcept nogil:
+    cdef int64_t wm = 0, full, need
+    if st.unlimited:
+        return True
+    if st.P.wm_applies == WM_ALWAYS or (st.P.wm_applies == WM_WHILE_RUNNING and st.n_running > 0):
+        wm = st.P.wm_blocks
+    if st.P.reserve_full:
+        full = q.prompt + q.outputs
+        if st.P.mml:
+            full = imin(full, st.P.mml)
+        if cdiv(full, st.P.bs) + wm > st.free_blocks:
+            return False
+    need = imax(cdiv(n, st.P.bs), cdiv(reserve_tokens(st, a, q), st.P.bs))
+    if need + wm > st.free_blocks:
+        return False
+    q.blocks = need
+    st.free_blocks -= need
+    return True
+
+
+cdef int64_t admit(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
+                   int64_t budget, int64_t cap, int64_t* longest) noexcept nogil:
+    cdef int64_t n_skipped = 0, n, i
+    cdef int32_t s
+    cdef Req* q
+    cdef bint blocked
+    while budget > 0 and st.wq_n > 0:
+        if st.n_running >= st.P.max_seqs:
+            break
+        s = wq_at(st, 0)
+        q = R(st, s)
+        if Pipe is AsyncPipe:
+            if q.last_sched == st.step - 1:
+                # Preempted with output still in flight: skip, do not block.
+                st.tmp[n_skipped] = wq_pop_front(st)
+                n_skipped += 1
+                continue
+        n = q.prompt + q.outputs
+        if 0 < cap < n:
+            n = cap
+        blocked = (not st.P.chunked and n > budget) or not fits(st, c, b, imin(n, budget), longest[0])
+        if not blocked:
+            n = imin(n, budget)
+            blocked = not reserve(st, a, q, n)
+        if blocked:
+            if st.P.stop_on_blocked:
+                break
+            st.tmp[n_skipped] = wq_pop_front(st)
+            n_skipped += 1
+            continue
+        wq_pop_front(st)
+        q.status = S_RUNNING
+        q.gen += 1
+        ro_append(st, s)
+        ex_insert_ordered(st, s)
+        sched_add(st, b, s, n)
+        longest[0] = imax(longest[0], n)
+        b.admitted += 1
+        budget -= n
+    for i in range(n_skipped - 1, -1, -1):
+        wq_push_front(st, st.tmp[i])
+    return budget
+
+# ---------------------------------------------------------------------------
+# One schedule() call
+# ---------------------------------------------------------------------------
+
+cdef inline int64_t eff_cap(State* st) noexcept nogil:
+    if st.P.chunk_cap and st.P.cap_exempt_alone and st.n_running + st.wq_n <= 1:
+        return 0
+    return st.P.chunk_cap
+
+
+cdef bint lazies_fit(State* st, int64_t extra_blocks) noexcept nogil:
+    """Can every lazy decode (plus extra_blocks of other requests) be served now?"""
+    cdef int64_t d
+    if st.unlimited:
+        return True
+    d = lazy_demand(st, st.vt) + extra_blocks
+    if st.P.one_free and st.n_lazy > 0:
+        return d < st.free_blocks
+    return d <= st.free_blocks
+
+
+cdef void serve_lazies(State* st, Batch* b) noexcept nogil:
+    cdef int64_t d
+    if st.n_lazy == 0:
+        return
+    if not st.unlimited:
+        d = lazy_demand(st, st.vt)
+        st.free_blocks -= d
+    b.dec += st.n_lazy
+    b.dctx += st.s_base + st.n_lazy * st.vt
+    b.nsched += st.n_lazy
+    b.sampled_any = True
+
+
+cdef bint running_fast_ok(State* st, Count* c, Batch* b, int64_t budget, int64_t cap,
+                          int64_t longest) noexcept nogil:
+    """Mixed running stage: can it be formed without knowing where each decode sits?
+
+    Yes when every request gets what it wants, or when the budget runs out at
+    a prefill chunk that no lazy decode follows in running order (the usual
+    vLLM steady state: the newest prefill takes the rest of the budget). The
+    grants go to st.grant, one per entry of st.ex.
+    """
+    cdef int64_t i, j, n, tok = st.n_lazy, blk = 0, lg = longest, cnt = st.n_lazy
+    cdef int64_t cut = -1
+    cdef Req* q
+    if st.force_slow or st.n_lazy > budget:
+        return False
+    for i in range(st.n_ex):
+        q = R(st, st.ex[i])
+        n = running_want(st, q, cap, budget)  # the full want; totals are checked below
+        if q.in_batch == st.step:
+            n = 0  # admitted earlier in this batch
+        if cut >= 0 or n <= 0:
+            st.grant[i] = 0
+            continue
+        if tok + n > budget:
+            n = budget - tok
+            if n <= 0:
+                return False  # the budget ran out somewhere among the decodes
+            cut = i
+        st.grant[i] = n
+        tok += n
+        blk += imax(cdiv(q.computed + n, st.P.bs) - q.blocks, 0)
+        lg = imax(lg, n)
+        cnt += 1
+    if cut >= 0 and st.n_lazy > 0:
+        # Decodes after the cut would go unserved: only the exact path knows which.
+        for j in range(R(st, st.ex[cut]).ro_pos + 1, st.ro_n):
+            if st.ro[j] >= 0 and R(st, st.ro[j]).lazy:
+                return False
+    if not lazies_fit(st, blk):
+        return False
+    if Count is PaddedCount:
+        if cnt > 0 and (b.nsched + cnt) * imax(lg, 1) > st.P.token_budget:
+            return False
+    return True
+
+
+cdef bint split_fast_ok(State* st, Count* c, Batch* b, int64_t budget, int64_t cap) noexcept nogil:
+    """Decodes then partial prefills: can both stages run without a preemption?"""
+    cdef int64_t i, n, blk = 0, d
+    cdef Req* q
+    if st.force_slow or st.n_lazy > budget:
+        return False
+    if Count is PaddedCount:
+        return False  # no built-in combines these; take the exact path
+    if not lazies_fit(st, 0):
+        return False
+    budget -= st.n_lazy
+    for i in range(st.n_ex):
+        if budget <= 0:
+            break
+        q = R(st, st.ex[i])
+        if q.in_batch == st.step:
+            continue
+        n = running_want(st, q, cap, budget)
+        if n <= 0:
+            continue
+        blk += imax(cdiv(q.computed + n, st.P.bs) - q.blocks, 0)
+        budget -= n
+    if st.unlimited or blk == 0:
+        return True
+    d = lazy_demand(st, st.vt)
+    return blk + d <= st.free_blocks
+
+
+cdef int64_t serve_running_fast(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
+                                int64_t budget, int64_t cap, int64_t* longest) noexcept nogil:
+    """Mixed running stage once running_fast_ok holds (grants in st.grant)."""
+    cdef int64_t i, n, tok = st.n_lazy
+    cdef int32_t s
+    serve_lazies(st, b)
+    if st.n_lazy:
+        longest[0] = imax(longest[0], 1)
+    for i in range(st.n_ex):
+        s = st.ex[i]
+        n = st.grant[i]
+        if n <= 0:
+            continue
+        grow(st, a, p, b, s, n, &budget)
+        sched_add(st, b, s, n)
+        longest[0] = imax(longest[0], n)
+        tok += n
+    return budget - tok
+
+
+cdef int relazify(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
+    """After an exact step: fold decodes back into the aggregate, rebuild `ex`."""
+    cdef int64_t i
+    cdef int32_t s
+    cdef Req* q
+    cdef Batch* prev
+    cdef int rc
+    st.n_ex = 0
+    for i in range(st.ro_n):
+        s = st.ro[i]
+        if s < 0:
+            continue
+        q = R(st, s)
+        if q.lazy:
+            continue
+        if not q.prefilled:
+            st.ex[st.n_ex] = s
+            st.n_ex += 1
+            continue
+        if q.last_sched == st.step:
+            continue   # scheduled in this batch: after_schedule handles it
+        # Not served in this batch. Pending = delivered + in flight.
+        if q.outputs + q.ph >= q.target:
+            # Every output is sampled: a zombie until the batch in flight
+            # delivers its last token (it is never served again, not even an
+            # unannounced stop's wasted token: that batch lands first).
+            if q.ph > 0:
+                prev = ring_prev(st)
+                prev.rel[prev.n_rel] = s
+                prev.n_rel += 1
+            continue
+        rc = lazify(st, a, p, s, q.outputs + q.ph)
+        if rc < 0:
+            return -1
+    st.materialized = False
+    return 0
+
+
+cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
+    cdef int64_t i, n, c, pending
+    cdef int32_t s
+    cdef Req* q
+    cdef Batch* prev
+    cdef int rc
+    for i in range(st.n_sched):
+        s = st.sched[i]
+        n = st.sched_n[i]
+        c = st.sched_ctx[i]
+        q = R(st, s)
+        if st.sched_dec[i]:
+            b.dec += n
+            b.dctx += c * n
+        else:
+            b.pre += n
+            b.patt += n * c + n * (n + 1) // 2
+        q.computed += n
+        q.last_sched = st.step
+        if q.computed >= q.prompt + q.outputs + q.ph:
+            b.sampled_any = True
+            if not q.prefilled:
+                q.prefilled = 1
+                ex_remove(st, s)
+            if s == st.new_slot:
+                st.found = True
+            if Pipe is AsyncPipe:
+                q.ph += 1
+                pending = q.outputs + q.ph
+                samp_add(b, s, q.gen)
+            else:
+                pending = q.outputs + 1
+            rc = lazify(st, a, p, s, pending)
+            if rc < 0:
+                return -1
+            if rc == 1:
+                if pending > q.target:
+                    # A wasted token past an unannounced stop: the batch in
+                    # flight delivers its real last token.
+                    prev = ring_prev(st)
+                    prev.rel[prev.n_rel] = s
+                    prev.n_rel += 1
+                else:
+                    b.rel[b.n_rel] = s
+                    b.n_rel += 1
+    return 0
+
+
+cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) noexcept nogil:
+    cdef int64_t budget = st.P.token_budget
+    cdef int64_t cap = eff_cap(st)
+    cdef int64_t longest = 0
+    cdef int32_t i, stage
+    cdef bint served_running = False
+    st.n_sched = 0
+    st.unlazy_batch = ring_prev(st)
+    if pop_leaves(st, a, p):
+        return -1
+    for i in range(st.P.n_stages):
+        stage = st.P.stages[i]
+        if stage == STAGE_WAITING:
+            if b.preempted and not st.P.admit_after_preemption:
+                continue
+            budget = admit(st, a, p, c, b, budget, cap, &longest)
+        else:
+            served_running = True
+            if not st.materialized:
+                if stage == STAGE_RUNNING:
+                    if not running_fast_ok(st, c, b, budget, cap, longest):
+                        materialize(st, a, p)
+                elif stage == STAGE_DECODES:
+                    if not split_fast_ok(st, c, b, budget, cap):
+                        materialize(st, a, p)
+            if st.materialized:
+                budget = serve_exact(st, a, p, c, b, budget, cap, stage, &longest)
+            elif stage == STAGE_RUNNING:
+                budget = serve_running_fast(st, a, p, c, b, budget, cap, &longest)
+            elif stage == STAGE_DECODES:
+                serve_lazies(st, b)
+                budget -= st.n_lazy
+                if st.n_lazy:
+                    longest = imax(longest, 1)
+            else:
+                budget = serve_prefills(st, a, p, c, b, budget, cap, &longest)
+        if st.P.exclusive and b.nsched > 0:
+            break
+    # Lazies were served iff a running stage ran (exclusive: only in decode batches).
+    if served_running or not st.P.exclusive:
+        b.vt = st.vt
+        st.vt += 1
+    if after_schedule(st, a, p, b):
+        return -1
+    if st.materialized:
+        if relazify(st, a, p, b):
+            return -1
+    st.unlazy_batch = NULL
+    return 0
+
+# ---------------------------------------------------------------------------
+# Closed-form runs of identical decode-only batches
+# ---------------------------------------------------------------------------
+
+cdef bint admission_stuck(State* st, Alloc* a, Count* c, int64_t budget) noexcept nogil:
+    """Would the waiting stage admit nothing, for a reason only a release can lift?"""
+    cdef Req* q
+    cdef int64_t n, wm = 0, full, need
+    if budget <= 0 or st.wq_n == 0:
+        return True
+    if st.n_running >= st.P.max_seqs:
+        return True
+    if not st.P.stop_on_blocked:
+        return False
+    q = R(st, wq_at(st, 0))
+    n = q.prompt + q.outputs
+    if 0 < eff_cap(st) < n:
+        n = eff_cap(st)
+    if not st.P.chunked and n > budget:
+        return True
+    if Count is PaddedCount:
+        if (st.n_lazy + 1) * imax(imin(n, budget), 1) > st.P.token_budget and st.P.exclusive == 0:
+            return True
+    if st.unlimited:
+        return False
+    n = imin(n, budget)
+    if st.P.wm_applies == WM_ALWAYS or (st.P.wm_applies == WM_WHILE_RUNNING and st.n_running > 0):
+        wm = st.P.wm_blocks
+    if st.P.reserve_full:
+        full = q.prompt + q.outputs
+        if st.P.mml:
+            full = imin(full, st.P.mml)
+        if cdiv(full, st.P.bs) + wm > st.free_blocks:
+            return True
+    need = imax(cdiv(n, st.P.bs), cdiv(reserve_tokens(st, a, q), st.P.bs))
+    return need + wm > st.free_blocks
+
+
+cdef int64_t demand_over(State* st, int64_t v0, int64_t m) noexcept nogil:
+    cdef int64_t full = m // st.P.bs, rem = m % st.P.bs, d, j
+    if st.n_grow == 0:
+        return 0
+    d = full * st.n_grow
+    for j in range(rem):
+        d += st.hist[pmod(-(v0 + full * st.P.bs + j), st.P.bs)]
+    return d
+
+
+cdef int64_t kv_run_limit(State* st, int64_t m) noexcept nogil:
+    """Largest m' <= m such that every batch of the run passes its KV check."""
+    cdef int64_t lim, periods, mm, d, v
+    if st.unlimited or st.n_grow == 0:
+        if st.P.one_free and not st.unlimited and st.free_blocks < 1:
+            return 0
+        return m
+    # Cumulative demand D(m') must stay <= lim (one-free: every batch needs a
+    # spare block after its own demand).
+    lim = st.free_blocks - (1 if st.P.one_free else 0)
+    if lim < 0:
+        return 0
+    periods = lim // st.n_grow
+    if periods * st.P.bs >= m:
+        return m
+    mm = periods * st.P.bs
+    d = periods * st.n_grow
+    v = st.vt + mm
+    while mm < m:
+        d += st.hist[pmod(-v, st.P.bs)]
+        if d > lim:
+            break
+        mm += 1
+        v += 1
+    return mm
+
+
+cdef int log_batch(State* st, Batch* b, double dt) noexcept nogil:
+    cdef int64_t* nl
+    if st.n_log + 8 > st.cap_log:
+        nl = <int64_t*>realloc(st.log, sizeof(int64_t) * (st.cap_log * 2 + 64))
+        if nl == NULL:
+            return -1
+        st.log = nl
+        st.cap_log = st.cap_log * 2 + 64
+    st.log[st.n_log] = b.nsched
+    st.log[st.n_log + 1] = b.pre
+    st.log[st.n_log + 2] = b.dec
+    st.log[st.n_log + 3] = b.dctx
+    st.log[st.n_log + 4] = b.patt
+    st.log[st.n_log + 5] = b.admitted
+    st.log[st.n_log + 6] = b.preempted
+    (<double*>&st.log[st.n_log + 7])[0] = dt
+    st.n_log += 8
+    return 0
+
+
+cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexcept nogil:
+    """Advance over identical decode-only batches in closed form; return how many."""
+    cdef int64_t m, budget, j, v
+    cdef Ev* e
+    cdef Batch* prev
+    cdef Batch* b
+    cdef double dt
+    cdef int64_t depth = 2 if Pipe is AsyncPipe else 1
+    if st.materialized or st.force_slow or st.n_ex > 0 or st.n_lazy == 0:
+        return 0
+    if st.P.n_stages == 0:
+        return 0
+    prev = &st.ring[st.ring_head] if st.ring_n >= 1 else NULL
+    if prev != NULL and (prev.n_rel > 0 or prev.n_stale > 0):
+        return 0
+    # The batch is the lazies alone, and admissions stay blocked.
+    budget = st.P.token_budget
+    if st.P.stages[0] != STAGE_WAITING:
+        budget -= st.n_lazy
+    if not admission_stuck(st, a, c, budget):
+        return 0
+    if st.n_lazy > st.P.token_budget:
+        return 0
+    m = max_batches - st.k
+    e = evq_top(st, &st.leave)
+    if e != NULL:
+        m = imin(m, e.key - st.vt + 1)
+    e = evq_top(st, &st.release)
+    if e != NULL:
+        m = imin(m, e.key + depth - st.vt)
+    m = kv_run_limit(st, m)
+    if m < 2:
+        return 0
+    m -= 1  # leave the last batch to the ordinary path (it meets the event)
+    # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
+    dt = m * (st.b0 + st.b1 * st.n_lazy + st.b2 * (st.s_base + st.n_lazy * st.vt)) \
+        + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
+    if st.record:
+        for j in range(m):
+            v = st.vt + j
+            b = ring_new(st)
+            b.nsched = st.n_lazy
+            b.dec = st.n_lazy
+            b.dctx = st.s_base + st.n_lazy * v
+            if log_batch(st, b, st.b0 + st.b1 * st.n_lazy + st.b2 * b.dctx):
+                return -1
+            st.ring_n -= 1
+    if not st.unlimited:
+        st.free_blocks -= demand_over(st, st.vt, m)
+    st.t += dt
+    st.k += m
+    st.step += m
+    st.vt += m
+    # The pipeline now holds the run's last batch (async): nothing to process in it.
+    if Pipe is AsyncPipe:
+        if prev != NULL:
+            prev.vt = st.vt - 1
+            prev.n_rel = 0
+            prev.n_stale = 0
+            prev.nsched = st.n_lazy
+            prev.sampled_any = True
+    return m
+
+# ---------------------------------------------------------------------------
+# The engine loop
+# ---------------------------------------------------------------------------
+
+cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexcept nogil:
+    cdef Batch* b
+    cdef Batch* prev
+    cdef double dt
+    cdef int64_t depth = 2 if Pipe is AsyncPipe else 1
+    cdef int64_t ran
+    while True:
+        ran = try_run(st, a, p, c, max_batches)
+        if ran < 0:
+            return R_NOMEM
+        b = ring_new(st)
+        if schedule(st, a, p, c, b):
+            return R_NOMEM
+        st.step += 1
+        if b.nsched > 0:
+            st.k += 1
+            dt = st.b0 + st.b1 * (b.pre + b.dec) + st.b2 * b.dctx + st.b3 * b.patt
+            st.t += dt
+            if st.record and log_batch(st, b, dt):
+                return R_NOMEM
+            if st.found:
+                return R_FIRST_TOKEN
+            if st.k >= max_batches:
+                return R_LIMIT
+        else:
+            prev = &st.ring[st.ring_head] if st.ring_n > 1 else NULL
+            if prev == NULL or (prev.nsched == 0 and prev.n_rel == 0 and prev.n_stale == 0
+                                and not prev.sampled_any):
+                return R_NEVER
+        if st.ring_n < depth:
+            continue
+        ring_pop(st, a, p)
+
+
+cdef int run_dispatch(int code, State* st, int64_t max_batches) noexcept nogil:
+    # code = alloc * 4 + async * 2 + padded
+    if code == 0:
+        return run(st, <OnDemand*>NULL, <SyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    elif code == 1:
+        return run(st, <OnDemand*>NULL, <SyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+    elif code == 2:
+        return run(st, <OnDemand*>NULL, <AsyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    elif code == 3:
+        return run(st, <OnDemand*>NULL, <AsyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+    elif code == 4:
+        return run(st, <WholePrompt*>NULL, <SyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    elif code == 5:
+        return run(st, <WholePrompt*>NULL, <SyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+    elif code == 6:
+        return run(st, <WholePrompt*>NULL, <AsyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    elif code == 7:
+        return run(st, <WholePrompt*>NULL, <AsyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+    elif code == 8:
+        return run(st, <MaxLength*>NULL, <SyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    elif code == 9:
+        return run(st, <MaxLength*>NULL, <SyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+    elif code == 10:
+        return run(st, <MaxLength*>NULL, <AsyncPipe*>NULL, <TokenCount*>NULL, max_batches)
+    else:
+        return run(st, <MaxLength*>NULL, <AsyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
+
+
+cdef int lazify_dispatch(int code, State* st, int32_t s, int64_t pending) noexcept nogil:
+    cdef int alloc = code // 4
+    cdef bint is_async = (code // 2) % 2
+    if alloc == 0:
+        if is_async:
+            return lazify(st, <OnDemand*>NULL, <AsyncPipe*>NULL, s, pending)
+        return lazify(st, <OnDemand*>NULL, <SyncPipe*>NULL, s, pending)
+    elif alloc == 1:
+        if is_async:
+            return lazify(st, <WholePrompt*>NULL, <AsyncPipe*>NULL, s, pending)
+        return lazify(st, <WholePrompt*>NULL, <SyncPipe*>NULL, s, pending)
+    else:
+        if is_async:
+            return lazify(st, <MaxLength*>NULL, <AsyncPipe*>NULL, s, pending)
+        return lazify(st, <MaxLength*>NULL, <SyncPipe*>NULL, s, pending)
+
+
+cdef int ev_cmp(const void* x, const void* y) noexcept nogil:
+    cdef Ev* a = <Ev*>x
+    cdef Ev* b = <Ev*>y
+    if a.key != b.key:
+        return -1 if a.key < b.key else 1
+    return -1 if a.slot < b.slot else (1 if a.slot > b.slot else 0)
+
+# ---------------------------------------------------------------------------
+# Python-facing classes
+# ---------------------------------------------------------------------------
+
+cdef class Prepared:
+    """A snapshot's requests, ready to replay with one compiled policy.
+
+    Built once per snapshot by :meth:`Replayer.prepare`; every replay starts
+    from a copy of this state (a few memcpy's), so preparing is where the
+    per-snapshot work (output lengths, decode aggregates, event ordering) goes.
+    """
+
+    cdef Req* r
+    cdef int64_t n
+    cdef int32_t* ro
+    cdef int64_t ro_n
+    cdef int32_t* ex
+    cdef int64_t n_ex
+    cdef int32_t* wq
+    cdef int64_t wq_n
+    cdef int64_t* hist
+    cdef int64_t bs
+    cdef int64_t n_lazy
+    cdef int64_t s_base
+    cdef int64_t n_grow
+    cdef Ev* leave
+    cdef int64_t n_leave
+    cdef Ev* rel
+    cdef int64_t n_rel
+    cdef int32_t* b0_rel
+    cdef int64_t n_b0_rel
+    cdef int64_t free_blocks
+    cdef bint unlimited
+    cdef bint has_inflight
+    cdef bint b0_sampled
+    cdef object ids
+    cdef int code
+
+    def __dealloc__(self):
+        free(self.r)
+        free(self.ro)
+        free(self.ex)
+        free(self.wq)
+        free(self.hist)
+        free(self.leave)
+        free(self.rel)
+        free(self.b0_rel)
+
+    def __len__(self):
+        return self.n
+
+
+cdef class Replayer:
+    """Compiled replay of one bound policy (see :mod:`bearsdk.replay`)."""
+
+    cdef Params P
+    cdef int code
+    cdef readonly object policy
+    cdef State st
+    cdef public bint force_slow
+    implementation = IMPLEMENTATION
+
+    def __cinit__(self):
+        memset(&self.st, 0, sizeof(State))
+
+    def __init__(self, policy):
+        self.policy = policy
+        p = policy
+        memset(&self.P, 0, sizeof(Params))
+        self.P.token_budget = p.token_budget
+        self.P.max_seqs = p.max_seqs
+        self.P.mml = p.max_model_len
+        self.P.chunk_cap = p.chunk_cap
+        self.P.bs = p.block_size
+        self.P.num_blocks = p.num_blocks
+        self.P.reserved = p.reserved_blocks
+        self.P.wm_blocks = p.watermark_blocks
+        names = {"running": STAGE_RUNNING, "decodes": STAGE_DECODES,
+                 "prefills": STAGE_PREFILLS, "waiting": STAGE_WAITING}
+        self.P.n_stages = len(p.stages)
+        for i, s in enumerate(p.stages):
+            self.P.stages[i] = names[s]
+        self.P.wm_applies = {"always": WM_ALWAYS, "while-running": WM_WHILE_RUNNING,
+                             "never": WM_NEVER}[p.watermark_applies]
+        self.P.exclusive = p.exclusive
+        self.P.admit_after_preemption = p.admit_after_preemption
+        self.P.chunked = p.chunked_prefill
+        self.P.cap_exempt_alone = p.cap_exempt_when_alone
+        self.P.stop_on_blocked = p.on_blocked == "stop"
+        self.P.reserve_full = p.reserve_full_sequence
+        self.P.one_free = p.decode_needs_free_block
+        self.P.victim_newest = p.victim == "newest"
+        self.P.requeue_front = p.requeue == "front"
+        self.P.keep_outputs = p.keep_outputs
+        alloc = {"on-demand": 0, "prompt": 1, "max-length": 2}[p.allocate]
+        self.code = alloc * 4 + (2 if p.async_scheduling else 0) + (1 if p.budget_count == "padded" else 0)
+        self.force_slow = False
+
+    def __dealloc__(self):
+        cdef State* st = &self.st
+        free(st.r)
+        free(st.epoch)
+        free(st.ro)
+        free(st.ex)
+        free(st.wq)
+        free(st.hist)
+        free(st.leave.heap)
+        free(st.release.heap)
+        free(st.sched)
+        free(st.sched_n)
+        free(st.sched_dec)
+        free(st.sched_ctx)
+        free(st.tmp)
+        free(st.grant)
+        free(st.log)
+        for i in range(3):
+            free(st.ring[i].rel)
+            free(st.ring[i].stale)
+            free(st.ring[i].stale_tok)
+            free(st.ring[i].samp)
+
+    # -- preparation -----------------------------------------------------------
+
+    def prepare(self, table, long long free_blocks=-1, ids=None):
+        """Turn a snapshot table (output lengths resolved) into replay state.
+
+        Same contract as the pure-Python twin's ``prepare``.
+        """
+        tab = np.ascontiguousarray(table, dtype=np.int64)
+        if tab.ndim != 2 or tab.shape[1] != NCOLS:
+            raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
+        cdef const int64_t[:, ::1] T = tab
+        cdef int64_t n = T.shape[0], i, held = 0, freed = 0, lim, target, need
+        cdef bint is_async = (self.code // 2) % 2
+        cdef int alloc = self.code // 4
+        cdef Prepared pr = Prepared.__new__(Prepared)
+        cdef Req* q
+        cdef int64_t bs = self.P.bs
+        cdef int64_t mml = self.P.mml
+        cdef int32_t s
+        cdef int rc
+        cdef State tmp
+        pr.ids = ids
+        pr.code = self.code
+        pr.n = n
+        pr.bs = bs
+        pr.r = <Req*>malloc(sizeof(Req) * (n + 1))
+        pr.ro = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
+        pr.ex = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
+        pr.wq = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
+        pr.hist = <int64_t*>malloc(sizeof(int64_t) * bs)
+        pr.b0_rel = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
+        if not (pr.r and pr.ro and pr.ex and pr.wq and pr.hist and pr.b0_rel):
+            raise MemoryError()
+        memset(pr.hist, 0, sizeof(int64_t) * bs)
+        memset(pr.r, 0, sizeof(Req) * (n + 1))
+        pr.ro_n = pr.n_ex = pr.wq_n = pr.n_b0_rel = 0
+        pr.has_inflight = False
+        pr.b0_sampled = False
+        for i in range(n):
+            if T[i, COL_OUTPUT_LEN] < 1:
+                raise ValueError(
+                    f"row {i}: output_len must be resolved before replay (got {T[i, COL_OUTPUT_LEN]})")
+            q = &pr.r[i]
+            self._init_req(q, T[i, COL_PROMPT], T[i, COL_OUTPUT], T[i, COL_OUTPUT_LEN], T[i, COL_MAX_TOKENS])
+            q.ro_pos = -1
+            q.last_sched = NEVER_SCHEDULED
+            q.in_batch = -1
+            if T[i, COL_STATE] == STATE_RUNNING:
+                q.status = S_RUNNING
+                q.computed = T[i, COL_COMPUTED]
+                q.ph = <int32_t>T[i, COL_PLACEHOLDERS]
+                need = q.prompt + q.outputs + q.ph - q.computed
+                q.prefilled = (q.outputs + q.ph >= 1) and need <= 1
+                q.blocks = cdiv(q.computed, bs)
+                if alloc == 2 or (alloc == 1 and not q.prefilled):
+                    q.blocks = imax(q.blocks, cdiv(self._reserve(q, alloc), bs))
+                held += q.blocks
+                if q.ph and not is_async:
+                    q.outputs += q.ph
+                    q.ph = 0
+                    if q.outputs >= q.target:
+                        freed += q.blocks
+                        q.status = S_FINISHED
+                        continue
+                if q.ph > 0:
+                    pr.has_inflight = True
+                    q.last_sched = -1  # scheduled in the in-flight batch (step -1)
+                q.ro_pos = <int32_t>pr.ro_n
+                pr.ro[pr.ro_n] = <int32_t>i
+                pr.ro_n += 1
+            else:
+                q.status = S_WAITING
+                pr.wq[pr.wq_n] = <int32_t>i
+                pr.wq_n += 1
+        p = self.policy
+        pr.unlimited = p.num_blocks == 0 and free_blocks < 0
+        if free_blocks < 0:
+            free_blocks = 0 if pr.unlimited else p.num_blocks - p.reserved_blocks - held
+            if free_blocks < 0:
+                raise ValueError(
+                    f"running requests hold {held} KV blocks, more than the pool of {p.num_blocks} "
+                    f"minus {p.reserved_blocks} reserved")
+        else:
+            free_blocks += freed
+        pr.free_blocks = free_blocks
+        # Fold decodes into the aggregate, as seen by the first batch (vt 0).
+        memset(&tmp, 0, sizeof(State))
+        tmp.P = &self.P
+        tmp.r = pr.r
+        tmp.src = pr.r
+        tmp.epoch = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
+        if tmp.epoch == NULL:
+            raise MemoryError()
+        memset(tmp.epoch, 0, sizeof(int32_t) * (n + 1))  # == tmp.cur: in place
+        tmp.hist = pr.hist
+        tmp.vt = 0
+        tmp.step = 0
+        for i in range(pr.ro_n):
+            s = pr.ro[i]
+            q = &pr.r[s]
+            q.gen = 0
+            if not q.prefilled:
+                pr.ex[pr.n_ex] = s
+                pr.n_ex += 1
+                continue
+            rc = lazify_dispatch(self.code, &tmp, s, q.outputs + q.ph)
+            if rc < 0:
+                raise MemoryError()
+            if rc == 1:
+                # Its last token is in the batch in flight at the snapshot.
+                pr.b0_rel[pr.n_b0_rel] = s
+                pr.n_b0_rel += 1
+            if q.ph > 0:
+                pr.b0_sampled = True
+        free(tmp.epoch)
+        pr.n_lazy = tmp.n_lazy
+        pr.s_base = tmp.s_base
+        pr.n_grow = tmp.n_grow
+        # The heaps' contents become the sorted per-snapshot arrays.
+        pr.leave = tmp.leave.heap
+        pr.n_leave = tmp.leave.n_heap
+        pr.rel = tmp.release.heap
+        pr.n_rel = tmp.release.n_heap
+        if pr.n_leave:
+            qsort(pr.leave, pr.n_leave, sizeof(Ev), ev_cmp)
+        if pr.n_rel:
+            qsort(pr.rel, pr.n_rel, sizeof(Ev), ev_cmp)
+        return pr
+
+    cdef void _init_req(self, Req* q, int64_t prompt, int64_t outputs, int64_t output_len,
+                        int64_t max_tokens):
+        cdef int64_t lim = max_tokens if max_tokens > 0 else BIG
+        if self.P.mml > 0:
+            lim = imin(lim, self.P.mml - prompt)
+        q.prompt = prompt
+        q.outputs = outputs
+        q.limit = lim
+        q.target = imax(imin(output_len, lim), outputs + 1)
+        q.eos = q.target < lim
+
+    cdef int64_t _reserve(self, Req* q, int alloc):
+        if alloc == 1:
+            return q.prompt + q.outputs
+        if alloc == 2:
+            return q.prompt + q.limit
+        return 0
+
+    # -- replay ---------------------------------------------------------------
+
+    cdef int _ensure(self, int64_t n) except -1:
+        cdef State* st = &self.st
+        cdef int64_t cap = n + 8
+        cdef int i
+        if st.cap >= cap and st.hist != NULL and st.P != NULL:
+            return 0
+        st.P = &self.P
+        st.r = <Req*>realloc(st.r, sizeof(Req) * cap)
+        st.epoch = <int32_t*>realloc(st.epoch, sizeof(int32_t) * cap)
+        if st.epoch != NULL:
+            memset(st.epoch, 0, sizeof(int32_t) * cap)
+        st.cur = 0
+        st.ro = <int32_t*>realloc(st.ro, sizeof(int32_t) * cap * 2)
+        st.ro_cap = cap * 2
+        st.ex = <int32_t*>realloc(st.ex, sizeof(int32_t) * cap)
+        st.wq = <int32_t*>realloc(st.wq, sizeof(int32_t) * cap)
+        st.wq_cap = cap
+        st.hist = <int64_t*>realloc(st.hist, sizeof(int64_t) * self.P.bs)
+        st.sched = <int32_t*>realloc(st.sched, sizeof(int32_t) * cap)
+        st.sched_n = <int64_t*>realloc(st.sched_n, sizeof(int64_t) * cap)
+        st.sched_dec = <int8_t*>realloc(st.sched_dec, sizeof(int8_t) * cap)
+        st.sched_ctx = <int64_t*>realloc(st.sched_ctx, sizeof(int64_t) * cap)
+        st.tmp = <int32_t*>realloc(st.tmp, sizeof(int32_t) * cap)
+        st.grant = <int64_t*>realloc(st.grant, sizeof(int64_t) * cap)
+        for i in range(3):
+            st.ring[i].rel = <int32_t*>realloc(st.ring[i].rel, sizeof(int32_t) * cap)
+            st.ring[i].stale = <int32_t*>realloc(st.ring[i].stale, sizeof(int32_t) * cap)
+            st.ring[i].stale_tok = <int8_t*>realloc(st.ring[i].stale_tok, sizeof(int8_t) * cap)
+            st.ring[i].samp = <Ev*>realloc(st.ring[i].samp, sizeof(Ev) * cap * 2)
+            if not (st.ring[i].rel and st.ring[i].stale and st.ring[i].stale_tok and st.ring[i].samp):
+                raise MemoryError()
+        if not (st.r and st.epoch and st.ro and st.ex and st.wq and st.hist and st.sched and st.sched_n
+                and st.sched_dec and st.sched_ctx and st.tmp and st.grant):
+            raise MemoryError()
+        st.cap = cap
+        return 0
+
+    cdef int _start(self, Prepared pr, int64_t prompt, int64_t output_len, int64_t max_tokens,
+                    object coeffs, bint record) except -1:
+        cdef State* st = &self.st
+        cdef Req* q
+        cdef Batch* b0
+        cdef int64_t i
+        if pr.code != self.code or pr.bs != self.P.bs:
+            raise ValueError("prepared state belongs to another policy")
+        if prompt < 1:
+            raise ValueError(f"prompt_tokens must be >= 1 (got {prompt})")
+        self._ensure(pr.n + 1)
+        b0_, b1_, b2_, b3_ = coeffs
+        st.b0 = b0_
+        st.b1 = b1_
+        st.b2 = b2_
+        st.b3 = b3_
+        st.src = pr.r
+        st.cur += 1
+        if st.cur == 0x7fffffff:
+            memset(st.epoch, 0, sizeof(int32_t) * st.cap)
+            st.cur = 1
+        memcpy(st.ro, pr.ro, sizeof(int32_t) * pr.ro_n)
+        st.ro_n = pr.ro_n
+        st.n_running = pr.ro_n
+        memcpy(st.ex, pr.ex, sizeof(int32_t) * pr.n_ex)
+        st.n_ex = pr.n_ex
+        memcpy(st.wq, pr.wq, sizeof(int32_t) * pr.wq_n)
+        st.wq_head = 0
+        st.wq_n = pr.wq_n
+        memcpy(st.hist, pr.hist, sizeof(int64_t) * self.P.bs)
+        st.n_lazy = pr.n_lazy
+        st.s_base = pr.s_base
+        st.n_grow = pr.n_grow
+        st.leave.sorted_ = pr.leave
+        st.leave.n_sorted = pr.n_leave
+        st.leave.pos = 0
+        st.leave.n_heap = 0
+        st.release.sorted_ = pr.rel
+        st.release.n_sorted = pr.n_rel
+        st.release.pos = 0
+        st.release.n_heap = 0
+        st.free_blocks = pr.free_blocks
+        st.unlimited = pr.unlimited
+        st.vt = 0
+        st.step = 0
+        st.k = 0
+        st.t = 0.0
+        st.materialized = False
+        st.force_slow = self.force_slow
+        st.found = False
+        st.record = record
+        st.n_log = 0
+        st.ring_head = 0
+        st.ring_n = 0
+        # The new request joins the end of the waiting queue.
+        st.n_slots = pr.n + 1
+        st.new_slot = <int32_t>pr.n
+        st.epoch[pr.n] = st.cur
+        q = &st.r[pr.n]
+        memset(q, 0, sizeof(Req))
+        self._init_req(q, prompt, 0, imax(output_len, 1), max_tokens)
+        q.status = S_WAITING
+        q.ro_pos = -1
+        q.last_sched = NEVER_SCHEDULED
+        q.in_batch = -1
+        wq_push_back(st, st.new_slot)
+        if (self.code // 2) % 2 and pr.has_inflight:
+            b0 = ring_new(st)
+            b0.vt = -1
+            b0.sampled_any = pr.b0_sampled
+            for i in range(pr.n_b0_rel):
+                b0.rel[i] = pr.b0_rel[i]
+            b0.n_rel = pr.n_b0_rel
+        return 0
+
+    def ttft(self, Prepared prepared, long long prompt_tokens, long long output_len, coeffs):
+        """Return only the predicted time to first token (``inf`` when never)."""
+        self._start(prepared, prompt_tokens, output_len, -1, coeffs, False)
+        cdef int rc
+        with nogil:
+            rc = run_dispatch(self.code, &self.st, 1_000_000)
+        if rc == R_NOMEM:
+            raise MemoryError()
+        return self.st.t if rc == R_FIRST_TOKEN else INFINITY
+
+    def replay(self, Prepared prepared, long long prompt_tokens, long long output_len,
+               coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, long long max_batches=1_000_000,
+               long long max_tokens=-1):
+        """Replay batch formation until the new request's first token.
+
+        Same contract as the pure-Python twin's ``replay``.
+        """
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record)
+        cdef int rc
+        with nogil:
+            rc = run_dispatch(self.code, &self.st, max_batches)
+        if rc == R_NOMEM:
+            raise MemoryError()
+        batches = None
+        if record:
+            batches = tuple(self._records())
+        if rc == R_FIRST_TOKEN:
+            return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
+        if rc == R_LIMIT:
+            return ReplayResult(0, float("inf"), StopReason.BATCH_LIMIT, batches)
+        return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
+
+    cdef list _records(self):
+        cdef State* st = &self.st
+        cdef int64_t i
+        out = []
+        for i in range(0, st.n_log, 8):
+            out.append(BatchRecord(
+                num_seqs=st.log[i], prefill_tokens=st.log[i + 1], decode_tokens=st.log[i + 2],
+                decode_context=st.log[i + 3], prefill_attention=st.log[i + 4],
+                admitted=st.log[i + 5], preempted=st.log[i + 6],
+                duration_s=(<double*>&st.log[i + 7])[0]))
+        return out

@@ -1,0 +1,51 @@
+"""Build script for bearsdk's Cython extensions.
+
+Cython sources live in ``cext/`` and compile into extension modules inside the
+``bearsdk`` package (as aio-libs do it). Environment switches:
+
+* ``BEARSDK_NO_EXTENSIONS=1``: build and install the pure-Python package only.
+* ``BEARSDK_CYTHON_DEBUG=1``: turn bounds, wraparound and initialisation checks
+  back on (slower; for hunting memory errors in the hot loops).
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import setup
+
+# Module name -> Cython source. The module lands next to its pure-Python twin.
+EXTENSIONS = {
+    "bearsdk.replay._replay_c": "cext/_replay_c.pyx",
+}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _extensions() -> list:
+    if _truthy("BEARSDK_NO_EXTENSIONS"):
+        return []
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    debug = _truthy("BEARSDK_CYTHON_DEBUG")
+    directives = {
+        "language_level": 3,
+        "boundscheck": debug,
+        "wraparound": debug,
+        "initializedcheck": debug,
+        "cdivision": True,
+        "nonecheck": debug,
+        "embedsignature": True,
+    }
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    exts = [
+        Extension(name, [src], extra_compile_args=opt, define_macros=[])
+        for name, src in EXTENSIONS.items()
+    ]
+    return cythonize(exts, compiler_directives=directives, include_path=["cext"], quiet=True)
+
+
+setup(ext_modules=_extensions())

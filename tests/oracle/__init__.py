@@ -1,0 +1,1 @@
+"""Differential testing of the replay against vLLM's real V1 scheduler."""

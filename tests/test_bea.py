@@ -1,0 +1,130 @@
+"""BEA estimator semantics (eq. 9-12) on top of the replay."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import bearsdk
+from bearsdk.estimators import (
+    BatchTimeModel,
+    BEAEstimator,
+    MeanLengthPredictor,
+    resolve_output_lengths,
+)
+from bearsdk.replay import StopReason
+from bearsdk.snapshot import COL_OUTPUT_LEN, KVState, RequestState, Snapshot
+
+BT = BatchTimeModel(0.005, 2e-5, 5e-8, 1e-10)
+
+
+def dec(rid: str, prompt: int, out: int, total: int | None = None, ph: int = 0) -> RequestState:
+    return RequestState(rid, "running", prompt, prompt + out - 1 + ph, out, None, total, ph)
+
+
+def test_single_batch_time_is_eq12(impl: str) -> None:
+    snap = Snapshot.build([dec("a", 500, 201, 400)], kv=KVState(16, 1000, 900))
+    est = BEAEstimator(
+        bearsdk.policy("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
+    )
+    r = est.estimate(snap, 512, 10, explain=True)
+    assert r.first_token_batch == 1
+    assert r.stop_reason is StopReason.FIRST_TOKEN
+    # one decode at context 700 + a 512-token prefill from scratch
+    want = 0.005 + 2e-5 * 513 + 5e-8 * 700 + 1e-10 * (512 * 513 // 2)
+    assert r.ttft_s == pytest.approx(want)
+    assert r.batches is not None
+    assert r.batches[0].duration_s == pytest.approx(want)
+    assert BT.time_of(r.batches[0]) == pytest.approx(want)
+
+
+def test_inflight_remaining_is_added(impl: str) -> None:
+    reqs = [dec("a", 500, 201, 400)]
+    est = BEAEstimator(
+        bearsdk.policy("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
+    )
+    base = est.estimate(Snapshot.build(reqs), 64, 10).ttft_s
+    r = est.estimate(Snapshot.build(reqs, inflight_remaining_s=0.0123), 64, 10)
+    assert r.ttft_s == pytest.approx(base + 0.0123)
+    assert r.inflight_s == 0.0123
+
+
+def test_chunked_prefill_spans_batches(impl: str) -> None:
+    est = BEAEstimator(
+        bearsdk.policy(
+            "vllm-v1", {"max_num_batched_tokens": 256, "max_num_seqs": 8, "async_scheduling": False}
+        ),
+        BT,
+        implementation=impl,
+    )
+    r = est.estimate(Snapshot.build([dec("a", 100, 5, 500)]), 1000, 10, explain=True)
+    # 255 prompt tokens per batch next to the decode: 1000 tokens need 4 batches
+    assert r.first_token_batch == 4
+    assert r.batches is not None
+    assert [b.prefill_tokens for b in r.batches] == [255, 255, 255, 235]
+
+
+def test_unknown_lengths_are_predicted_with_one_token_to_go() -> None:
+    snap = Snapshot.build(
+        [dec("a", 100, 900), dec("b", 100, 3), RequestState("w", "waiting", 50, 0, 0, 20)]
+    )
+    table = resolve_output_lengths(snap.table, MeanLengthPredictor(mean=256, residual=64))
+    assert table[:, COL_OUTPUT_LEN].tolist() == [
+        964,
+        256,
+        20,
+    ]  # past the mean; fresh; capped by max_tokens
+    assert (snap.table[:, COL_OUTPUT_LEN] == -1).all()  # the snapshot itself is untouched
+
+
+def test_prediction_changes_the_estimate(impl: str) -> None:
+    # Memory only frees when the resident finishes: its predicted length decides.
+    snap = Snapshot.build([dec("a", 1000, 10)], kv=KVState(16, 80, 80 - 63 - 1))
+    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False})
+    short = BEAEstimator(pol, BT, MeanLengthPredictor(mean=50), implementation=impl).estimate(
+        snap, 400, 5
+    )
+    long = BEAEstimator(pol, BT, MeanLengthPredictor(mean=150), implementation=impl).estimate(
+        snap, 400, 5
+    )
+    # predicted totals: max(50, 10 + 64) = 74 and 150 outputs; "a" frees its blocks
+    # after its last decode, and the new prompt is admitted in the next batch
+    assert short.first_token_batch == 74 - 10 + 1
+    assert long.first_token_batch == 150 - 10 + 1
+    assert long.ttft_s > short.ttft_s
+
+
+def test_never_admitted_is_infinite(impl: str) -> None:
+    snap = Snapshot.build([], kv=KVState(16, 10, 9))
+    est = BEAEstimator(bearsdk.policy("vllm-v1"), BT, implementation=impl)
+    r = est.estimate(snap, 5000, 10)
+    assert r.stop_reason is StopReason.NEVER_ADMITTED
+    assert math.isinf(r.ttft_s)
+    assert r.first_token_batch == 0
+
+
+def test_hot_path_equals_full_estimate(impl: str) -> None:
+    rng = np.random.default_rng(0)
+    reqs = [
+        dec(f"d{i}", int(rng.integers(100, 2000)), int(rng.integers(1, 100)), 300, 1)
+        for i in range(40)
+    ]
+    reqs += [
+        RequestState(f"w{i}", "waiting", int(rng.integers(100, 3000)), 0, 0, 200, 100)
+        for i in range(5)
+    ]
+    snap = Snapshot.build(reqs, kv=KVState(16, 20000, 20000 - 3000), inflight_remaining_s=0.002)
+    est = BEAEstimator(
+        bearsdk.policy("vllm-v1", {"max_num_batched_tokens": 2048}), BT, implementation=impl
+    )
+    prep = est.prepare(snap)
+    for p in (16, 700, 5000):
+        assert est.ttft(prep, p, 50) == pytest.approx(est.estimate(prep, p, 50).ttft_s)
+
+
+def test_snapshot_kv_overrides_policy_geometry(impl: str) -> None:
+    snap = Snapshot.build([dec("a", 64, 1, 100)], kv=KVState(32, 500, 497))
+    est = BEAEstimator(bearsdk.policy("vllm-v1", {"block_size": 16}), BT, implementation=impl)
+    assert est.prepare(snap).replayer.policy.block_size == 32

@@ -1,0 +1,288 @@
+"""Property tests: the compiled replay and its pure-Python twin agree, batch by batch.
+
+Random snapshots are replayed under every built-in policy and under random
+custom specs composed from the DSL's building blocks. The compiled loop is run
+twice: normally (aggregated decodes, closed-form runs) and with its exact
+per-request path forced, so both of its paths are checked against the twin.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from bearsdk.replay import implementations
+from bearsdk.schedulers import (
+    Policy,
+    compile_policy,
+    get_scheduler,
+    scheduler_names,
+    spec_from_dict,
+)
+from bearsdk.snapshot import NCOLS
+
+pytestmark = pytest.mark.skipif(
+    "cython" not in implementations(), reason="compiled replay not built"
+)
+
+COEFFS = (0.003, 2e-5, 5e-8, 1e-10)
+MAX_BATCHES = 400
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@st.composite
+def custom_policy(draw: st.DrawFn) -> Policy:
+    stages = draw(
+        st.sampled_from(
+            [
+                ["running", "waiting"],
+                ["waiting", "running"],
+                ["decodes", "prefills", "waiting"],
+                ["waiting", "decodes", "prefills"],
+            ]
+        )
+    )
+    exclusive = draw(st.booleans())
+    async_ = False if exclusive else draw(st.booleans())
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(16, 1024))
+    mml = draw(st.sampled_from([0, 256, 512, 1024, 2048]))
+    allocate = draw(st.sampled_from(["on-demand", "prompt", "max-length"]))
+    if allocate == "max-length" and mml == 0:
+        mml = 1024
+    if not chunked and mml > budget:
+        budget = mml
+    doc: dict[str, Any] = {
+        "name": "custom",
+        "params": {"budget": budget},
+        "budget": {
+            "tokens": "$budget",
+            "seqs": draw(st.integers(1, min(budget, 24))),
+            "max_model_len": mml,
+            "count": draw(st.sampled_from(["tokens", "tokens", "padded"])),
+        },
+        "batch": {
+            "stages": stages,
+            "exclusive": exclusive,
+            "admit_after_preemption": draw(st.booleans()),
+            "async_scheduling": async_,
+        },
+        "prefill": {
+            "chunked": chunked,
+            "chunk_cap": draw(st.sampled_from([0, 0, 8, 64, 200]))
+            if (mml == 0 or mml >= 200)
+            else 0,
+            "cap_exempt_when_alone": draw(st.booleans()),
+        },
+        "admission": {
+            "on_blocked": draw(st.sampled_from(["stop", "skip"])),
+            "reserve_full_sequence": draw(st.booleans()),
+        },
+        "kv": {
+            "block_size": draw(st.sampled_from([1, 4, 16])),
+            "reserved_blocks": draw(st.integers(0, 1)),
+            "allocate": allocate,
+            "watermark": draw(st.sampled_from([0.0, 0.0, 0.01, 0.1])),
+            "watermark_applies": draw(st.sampled_from(["always", "while-running", "never"])),
+            "decode_needs_free_block": draw(st.booleans()),
+        },
+        "preemption": {
+            "victim": draw(st.sampled_from(["newest", "newest", "none"])),
+            "requeue": draw(st.sampled_from(["front", "back"])),
+            "keep_outputs": draw(st.booleans()),
+        },
+    }
+    return spec_from_dict(doc).bind()
+
+
+@st.composite
+def builtin_policy(draw: st.DrawFn, name: str) -> Policy:
+    spec = get_scheduler(name)
+    pol = spec.bind()
+    over: dict[str, object] = {}
+    budget_param = next(
+        k
+        for k in ("max_num_batched_tokens", "chunk_size", "max_tokens_in_batch", "max_batch_tokens")
+        if k in spec.params
+    )
+    budget = draw(st.integers(32, 1024))
+    over[budget_param] = budget
+    seq_param = next(k for k in ("max_num_seqs", "batch_size_cap") if k in spec.params)
+    over[seq_param] = draw(st.integers(1, min(32, budget)))
+    if "max_model_len" in spec.params:
+        mml = draw(st.sampled_from([512, 1024, 2048]))
+        if not pol.chunked_prefill:
+            mml = min(mml, budget) if budget >= 256 else 0
+            if mml == 0 and pol.allocate == "max-length":
+                over[budget_param] = budget = 1024
+                mml = 1024
+        over["max_model_len"] = mml
+    if "block_size" in spec.params:
+        over["block_size"] = draw(st.sampled_from([1, 4, 16, 32]))
+    if "long_prefill_token_threshold" in spec.params:
+        mml_v = int(over.get("max_model_len", 0) or 0)
+        over["long_prefill_token_threshold"] = draw(st.sampled_from([0, 0, 16, 128]))
+        if mml_v and int(over["long_prefill_token_threshold"]) > mml_v:  # type: ignore[call-overload]
+            over["long_prefill_token_threshold"] = 0
+    for flag in ("async_scheduling", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
+        if flag in spec.params:
+            over[flag] = draw(st.booleans())
+    if over.get("enable_chunked_prefill") is False:
+        mml_v = int(over.get("max_model_len", 0) or 0)  # type: ignore[call-overload]
+        if mml_v == 0 or mml_v > budget:
+            over["max_model_len"] = min(budget, 512) if budget >= 64 else budget
+    for wm in ("watermark", "watermark_blocks_fraction"):
+        if wm in spec.params:
+            over[wm] = draw(st.sampled_from([0.0, 0.01, 0.1]))
+    mml_final = int(over.get("max_model_len", 0) or 0)  # type: ignore[call-overload]
+    if mml_final and int(over.get("long_prefill_token_threshold", 0) or 0) > mml_final:  # type: ignore[call-overload]
+        over["long_prefill_token_threshold"] = 0
+    return spec.bind(over)
+
+
+@st.composite
+def workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
+    """A snapshot consistent with the policy, plus a new request."""
+    mml = pol.max_model_len
+    plim = (mml - 2) if mml else 3000
+    rows = []
+    n_run = draw(st.integers(0, min(pol.max_seqs, 16)))
+    n_wait = draw(st.integers(0, 12))
+    for _ in range(n_run):
+        prompt = draw(st.integers(1, max(1, min(plim, 1500))))
+        room = (mml - prompt) if mml else 600
+        total = draw(st.integers(1, max(1, min(room, 600))))
+        kind = draw(st.sampled_from(["decode", "decode", "prefill", "recompute"]))
+        ph = 0
+        if kind == "decode" and total >= 2:
+            out = draw(st.integers(1, total - 1))
+            ph = draw(st.integers(0, 1)) if pol.async_scheduling else 0
+            if out + ph > total - 0:
+                ph = 0
+            computed = prompt + out - 1 + ph
+        elif kind == "recompute" and total >= 2 and prompt + 1 > 2:
+            out = draw(st.integers(1, total - 1))
+            computed = draw(st.integers(1, prompt + out - 2))
+        else:
+            out = 0
+            computed = draw(st.integers(1, prompt)) if prompt > 1 else 1
+            if computed == prompt:
+                ph = 1 if pol.async_scheduling and total >= 1 else 0
+                if not ph:
+                    computed = max(1, prompt - 1)
+        max_tokens = total if draw(st.booleans()) else draw(st.integers(total, total + 50))
+        if mml:
+            max_tokens = min(max_tokens, mml - prompt)
+            max_tokens = max(max_tokens, total)
+        rows.append([0, prompt, computed, out, max_tokens, total, ph])
+    for _ in range(n_wait):
+        prompt = draw(st.integers(1, max(1, min(plim, 1500))))
+        room = (mml - prompt) if mml else 600
+        total = draw(st.integers(1, max(1, min(room, 600))))
+        out = draw(st.integers(0, total - 1)) if draw(st.booleans()) else 0
+        if mml and prompt + out >= mml:
+            out = 0
+        rows.append([1, prompt, 0, out, -1 if draw(st.booleans()) else total, total, 0])
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+    new_prompt = draw(st.integers(1, max(1, min(plim, 2000))))
+    new_out = draw(st.integers(1, 300))
+    unlimited = draw(st.integers(0, 9)) == 0
+    extra = draw(st.sampled_from([0, 1, 2, 5, 20, 100, 1000]))
+    return {
+        "table": table,
+        "prompt": new_prompt,
+        "out": new_out,
+        "unlimited": unlimited,
+        "extra": extra,
+    }
+
+
+def _check(pol: Policy, w: dict[str, Any]) -> None:
+    tw = compile_policy(pol, "python")
+    # Size the pool so the running requests fit, with `extra` blocks to spare.
+    probe = compile_policy(pol.with_kv(pol.block_size, 1 << 40), "python")
+    held = (1 << 40) - pol.reserved_blocks - probe.prepare(w["table"]).free_blocks
+    if w["unlimited"]:
+        p2 = pol.with_kv(pol.block_size, 0)
+    else:
+        p2 = pol.with_kv(pol.block_size, held + pol.reserved_blocks + w["extra"] + 1)
+    tw = compile_policy(p2, "python")
+    ref = tw.replay(
+        tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True, max_batches=MAX_BATCHES
+    )
+    c = compile_policy(p2, "cython")
+    for slow in (False, True):
+        c.force_slow = slow
+        try:
+            got = c.replay(
+                c.prepare(w["table"]),
+                w["prompt"],
+                w["out"],
+                COEFFS,
+                record=True,
+                max_batches=MAX_BATCHES,
+            )
+        finally:
+            c.force_slow = False
+        where = f"policy {p2}\nslow={slow}"
+        assert got.first_token_batch == ref.first_token_batch, where
+        assert got.stop_reason == ref.stop_reason, where
+        assert got.batches is not None
+        assert ref.batches is not None
+        assert len(got.batches) == len(ref.batches), where
+        for i, (a, b) in enumerate(zip(got.batches, ref.batches, strict=True)):
+            assert a == b, f"{where}\nbatch {i + 1}:\n  compiled {a}\n  twin     {b}"
+        if math.isfinite(ref.ttft_s):
+            assert got.ttft_s == pytest.approx(ref.ttft_s, rel=1e-9, abs=1e-12)
+        else:
+            assert not math.isfinite(got.ttft_s)
+
+
+SOAK = settings().max_examples > 1000
+SETTINGS = settings(
+    max_examples=settings().max_examples if SOAK else 120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("name", scheduler_names())
+def test_builtin_policies_agree(name: str) -> None:
+    if name not in {
+        "vllm-v1",
+        "sarathi",
+        "prefill-first",
+        "vidur-vllm",
+        "vidur-sarathi",
+        "vidur-orca",
+    }:
+        pytest.skip("not a built-in")
+
+    @SETTINGS
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        pol = data.draw(builtin_policy(name))
+        _check(pol, data.draw(workload(pol)))
+
+    run()
+
+
+@settings(
+    max_examples=settings().max_examples if SOAK else 400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.data())
+def test_custom_policies_agree(data: st.DataObject) -> None:
+    pol = data.draw(custom_policy())
+    w = data.draw(workload(pol))
+    assume(len(w["table"]) <= 28)
+    _check(pol, w)
