@@ -1,7 +1,20 @@
 """bearsdk: latency-aware routing for heterogeneous vLLM pools (BEA + BEAR)."""
 
 from bearsdk.errors import BearError, SnapshotError, SpecError
-from bearsdk.replay import IMPLEMENTATION, BatchRecord, Replayer, ReplayResult, StopReason
+from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
+from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor
+from bearsdk.replay import (
+    IMPLEMENTATION,
+    BatchRecord,
+    Replayer,
+    ReplayerProtocol,
+    ReplayResult,
+    ScheduledBatch,
+    SchedulerCore,
+    StepOutput,
+    StopReason,
+)
 from bearsdk.schedulers import (
     Policy,
     SchedulerSpec,
@@ -19,18 +32,28 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "IMPLEMENTATION",
+    "BEAEstimator",
     "BatchRecord",
+    "BatchTimeModel",
     "BearError",
     "KVState",
+    "LengthPredictor",
+    "MeanLengthPredictor",
     "Policy",
+    "PreparedSnapshot",
     "ReplayResult",
     "Replayer",
+    "ReplayerProtocol",
     "RequestState",
+    "ScheduledBatch",
+    "SchedulerCore",
     "SchedulerSpec",
     "Snapshot",
     "SnapshotError",
     "SpecError",
+    "StepOutput",
     "StopReason",
+    "TTFTEstimate",
     "__version__",
     "compile_policy",
     "decode_snapshot",

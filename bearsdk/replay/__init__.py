@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bearsdk.replay import _replay_py
+from bearsdk.replay._replay_py import ScheduledBatch, SchedulerCore, StepOutput
 from bearsdk.replay.types import BatchRecord, ReplayerProtocol, ReplayResult, StopReason
 from bearsdk.schedulers.spec import Policy
 
@@ -26,6 +27,9 @@ __all__ = [
     "ReplayResult",
     "Replayer",
     "ReplayerProtocol",
+    "ScheduledBatch",
+    "SchedulerCore",
+    "StepOutput",
     "StopReason",
     "implementations",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +36,14 @@ from bearsdk.snapshot import (
     STATE_RUNNING,
 )
 
-__all__ = ["IMPLEMENTATION", "Prepared", "Replayer"]
+__all__ = [
+    "IMPLEMENTATION",
+    "Prepared",
+    "Replayer",
+    "ScheduledBatch",
+    "SchedulerCore",
+    "StepOutput",
+]
 
 IMPLEMENTATION = "python"
 
@@ -105,20 +113,62 @@ class Prepared:
         return len(self.reqs)
 
 
-class _Batch:
+class ScheduledBatch:
+    """One batch formed by :meth:`SchedulerCore.schedule`.
+
+    Attributes:
+        admitted: Requests admitted from the waiting queue into this batch.
+        preempted: Ids of requests preempted while forming it.
+        pre: Prefill tokens. dec: Decode tokens. dctx: Summed decode context.
+        patt: Summed prefill attention (eq. 12 terms).
+    """
+
     __slots__ = ("admitted", "dctx", "dec", "patt", "pre", "preempted", "sampled", "sched")
 
     def __init__(self) -> None:
         self.sched: dict[_Req, int] = {}
         self.sampled: list[_Req] = []
         self.admitted = 0
-        self.preempted = 0
+        self.preempted: list[str] = []
         # eq. 12 terms, filled in after scheduling
         self.pre = self.dec = self.dctx = self.patt = 0
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        """Scheduled tokens by request id, in scheduling order."""
+        return {r.rid: n for r, n in self.sched.items()}
+
+    @property
+    def sampling(self) -> list[str]:
+        """Ids of the requests this batch samples a token for."""
+        return [r.rid for r in self.sampled]
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens in the batch."""
+        return self.pre + self.dec
+
+    def __bool__(self) -> bool:
+        return bool(self.sched)
 
     def inert(self) -> bool:
         """Processing this batch changes nothing."""
         return not self.sched and not self.sampled
+
+
+class StepOutput:
+    """What processing a batch's outputs produced.
+
+    Attributes:
+        tokens: Ids of requests that received an output token (in batch order).
+        finished: Ids of requests that finished (their last token is in ``tokens``).
+    """
+
+    __slots__ = ("finished", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.finished: list[str] = []
 
 
 class Replayer:
@@ -270,39 +320,178 @@ class Replayer:
         """
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1 (got {prompt_tokens})")
-        run = _Run(self, prepared, record, coeffs)
+        run = SchedulerCore._from_prepared(self, prepared, record, coeffs)
         new = self._make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
         run.waiting.append(new)
         return run.go(new, max_batches)
 
 
-class _Run:
-    """One replay: mutable copies of the prepared state and the engine loop."""
+class SchedulerCore:
+    """A policy's scheduler as a live engine core, in pure Python.
 
-    def __init__(
-        self, rp: Replayer, prepared: Prepared, record: bool, coeffs: Sequence[float]
-    ) -> None:
-        self.rp = rp
-        self.p = rp.policy
+    Requests arrive (:meth:`add_request`), :meth:`schedule` forms the next batch
+    and :meth:`process` applies its outputs. The caller owns the pipeline: a
+    synchronous engine processes a batch before scheduling the next; an engine
+    with asynchronous scheduling schedules batch ``k + 1`` before it processes
+    batch ``k``. The replay drives it in zero time; the emulated engine and the
+    simulator drive it in real or virtual time.
+
+    Args:
+        policy: The bound policy (its KV geometry is the engine's).
+        free_blocks: Free KV blocks at start; default: the policy's pool less
+            reserved blocks (unlimited when the policy has no pool size).
+    """
+
+    def __init__(self, policy: Policy, free_blocks: int | None = None) -> None:
+        self.rp = Replayer(policy)
+        self.p = policy
         self.running: list[_Req] = []
         self.waiting: deque[_Req] = deque()
+        self.requests: dict[str, _Req] = {}
+        self.unlimited = policy.num_blocks == 0 and free_blocks is None
+        if free_blocks is None:
+            free_blocks = 0 if self.unlimited else policy.num_blocks - policy.reserved_blocks
+        self.free = free_blocks
+        self.record = False
+        self.b0 = self.b1 = self.b2 = self.b3 = 0.0
+        self.batches: list[BatchRecord] = []
+        self.queue: deque[ScheduledBatch] = deque()
+
+    @classmethod
+    def _from_prepared(
+        cls, rp: Replayer, prepared: Prepared, record: bool, coeffs: Sequence[float]
+    ) -> SchedulerCore:
+        core = cls.__new__(cls)
+        core.rp = rp
+        core.p = rp.policy
+        core.running = []
+        core.waiting = deque()
+        core.requests = {}
         for r in prepared.reqs:
             c = r.clone()
-            (self.running if c.status == _RUNNING else self.waiting).append(c)
-        self.free = prepared.free_blocks
-        self.unlimited = prepared.unlimited_kv
-        self.record = record
-        self.b0, self.b1, self.b2, self.b3 = (float(c) for c in coeffs)
-        self.batches: list[BatchRecord] = []
+            (core.running if c.status == _RUNNING else core.waiting).append(c)
+        core.free = prepared.free_blocks
+        core.unlimited = prepared.unlimited_kv
+        core.record = record
+        core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs)
+        core.batches = []
         # The batch in flight at the snapshot (async): its sampled tokens are the
         # placeholders; partial prefill chunks in it change nothing when processed.
-        self.queue: deque[_Batch] = deque()
+        core.queue = deque()
         if prepared.has_inflight:
-            b0 = _Batch()
-            b0.sampled = [r for r in self.running if r.ph > 0]
+            b0 = ScheduledBatch()
+            b0.sampled = [r for r in core.running if r.ph > 0]
             for r in b0.sampled:
                 r.inflight = r.ph
-            self.queue.append(b0)
+            core.queue.append(b0)
+        return core
+
+    # -- live use -------------------------------------------------------------
+
+    def add_request(
+        self, rid: str, prompt_tokens: int, output_len: int, max_tokens: int | None = None
+    ) -> None:
+        """A request arrives at the end of the waiting queue.
+
+        Args:
+            rid: Unique id.
+            prompt_tokens: Prompt length.
+            output_len: Output tokens it will produce (its true length).
+            max_tokens: Its cap, known to the scheduler (``None``: none).
+
+        Raises:
+            ValueError: Duplicate id or a bad length.
+        """
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already resident")
+        if prompt_tokens < 1 or output_len < 1:
+            raise ValueError(
+                f"prompt_tokens and output_len must be >= 1 (got {prompt_tokens}, {output_len})"
+            )
+        r = self.rp._make_req(
+            rid, prompt_tokens, 0, output_len, -1 if max_tokens is None else max_tokens
+        )
+        self.requests[rid] = r
+        self.waiting.append(r)
+
+    def abort_request(self, rid: str) -> bool:
+        """Remove a resident request (freeing its blocks); ``False`` if unknown."""
+        r = self.requests.pop(rid, None)
+        if r is None or r.status == _FINISHED:
+            return False
+        if r.status == _RUNNING:
+            self.running.remove(r)
+            if not self.unlimited:
+                self.free += r.blocks
+            r.blocks = 0
+        else:
+            self.waiting.remove(r)
+        r.status = _FINISHED
+        return True
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a seat (and KV blocks)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or preempted."""
+        return len(self.waiting)
+
+    @property
+    def free_blocks(self) -> int:
+        """Free KV blocks (0 with an unlimited pool)."""
+        return self.free
+
+    def has_work(self) -> bool:
+        """Any resident request?"""
+        return bool(self.running or self.waiting)
+
+    def snapshot(
+        self, *, instance: str = "local", seq: int = 0, time: float = 0.0, output_len: bool = False
+    ) -> dict[str, Any]:
+        """The engine state as a ``bear.snapshot/1`` document (running, then waiting).
+
+        Args:
+            instance: Instance name. seq: Step counter. time: Capture time.
+            output_len: Include each request's true output length (tests, what-if).
+        """
+        reqs = []
+        for r in self.running:
+            reqs.append(self._snap_req(r, "running", output_len))
+        for r in self.waiting:
+            reqs.append(self._snap_req(r, "waiting", output_len))
+        doc: dict[str, Any] = {
+            "schema": "bear.snapshot/1",
+            "instance": instance,
+            "seq": seq,
+            "time": time,
+            "requests": reqs,
+        }
+        if not self.unlimited:
+            doc["kv"] = {
+                "block_size": self.p.block_size,
+                "num_blocks": self.p.num_blocks,
+                "free_blocks": self.free,
+            }
+        return doc
+
+    def _snap_req(self, r: _Req, state: str, with_len: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "id": r.rid,
+            "state": state,
+            "prompt_tokens": r.prompt,
+            "computed_tokens": r.computed if state == "running" else 0,
+            "output_tokens": r.outputs,
+        }
+        if r.limit < (1 << 61) and not (self.rp._mml and r.limit == self.rp._mml - r.prompt):
+            d["max_tokens"] = r.limit
+        if with_len:
+            d["output_len"] = r.target
+        if r.ph and state == "running":
+            d["placeholders"] = r.ph
+        return d
 
     # -- engine loop --------------------------------------------------------
 
@@ -334,9 +523,10 @@ class _Run:
 
     # -- schedule -----------------------------------------------------------
 
-    def schedule(self) -> _Batch:
+    def schedule(self) -> ScheduledBatch:
+        """Form the next batch (it may be empty)."""
         p = self.p
-        b = _Batch()
+        b = ScheduledBatch()
         budget = p.token_budget
         cap = p.chunk_cap
         if cap and p.cap_exempt_when_alone and len(self.running) + len(self.waiting) <= 1:
@@ -353,14 +543,14 @@ class _Run:
         self.after_schedule(b)
         return b
 
-    def _fits(self, b: _Batch, n: int) -> bool:
+    def _fits(self, b: ScheduledBatch, n: int) -> bool:
         """Padded budgets charge every sequence the longest chunk in the batch."""
         if self.p.budget_count != "padded":
             return True
         longest = max(max(b.sched.values(), default=0), n)
         return (len(b.sched) + 1) * longest <= self.p.token_budget
 
-    def serve_running(self, b: _Batch, budget: int, cap: int, stage: str) -> int:
+    def serve_running(self, b: ScheduledBatch, budget: int, cap: int, stage: str) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
@@ -393,7 +583,7 @@ class _Run:
             i += 1
         return budget
 
-    def grow(self, b: _Batch, r: _Req, n: int, budget: int) -> tuple[bool, int]:
+    def grow(self, b: ScheduledBatch, r: _Req, n: int, budget: int) -> tuple[bool, int]:
         """Allocate the blocks ``r`` needs for ``n`` more tokens, preempting if needed.
 
         A victim already scheduled in this batch (by an earlier stage) gives its
@@ -413,7 +603,7 @@ class _Run:
             if victim is not r:
                 budget += b.sched.pop(victim, 0)
             self.preempt(victim)
-            b.preempted += 1
+            b.preempted.append(victim.rid)
             if victim is r:
                 return False, budget
 
@@ -432,7 +622,7 @@ class _Run:
         else:
             self.waiting.append(r)
 
-    def admit(self, b: _Batch, budget: int, cap: int) -> int:
+    def admit(self, b: ScheduledBatch, budget: int, cap: int) -> int:
         p = self.p
         skipped: list[_Req] = []
         while budget > 0 and self.waiting:
@@ -489,7 +679,7 @@ class _Run:
         self.free -= need
         return True
 
-    def after_schedule(self, b: _Batch) -> None:
+    def after_schedule(self, b: ScheduledBatch) -> None:
         async_ = self.rp._depth > 1
         for r, n in b.sched.items():
             c = r.computed  # context before this batch
@@ -510,13 +700,16 @@ class _Run:
 
     # -- process outputs ----------------------------------------------------
 
-    def process(self, b: _Batch) -> None:
+    def process(self, b: ScheduledBatch) -> StepOutput:
+        """Apply a batch's outputs: deliver sampled tokens, finish requests."""
+        out = StepOutput()
         async_ = self.rp._depth > 1
         for r, n in b.sched.items():
             r.inflight -= n
         for r in b.sampled:
             if r.status == _FINISHED:
                 continue
+            out.tokens.append(r.rid)
             if r.status == _WAITING:
                 # Preempted while its token was in flight: it still receives it.
                 r.outputs += 1
@@ -524,6 +717,8 @@ class _Run:
                 if r.outputs >= r.target:
                     r.status = _FINISHED
                     self.waiting.remove(r)
+                    self.requests.pop(r.rid, None)
+                    out.finished.append(r.rid)
                 continue
             r.outputs += 1
             if async_:
@@ -534,14 +729,17 @@ class _Run:
                     self.free += r.blocks
                 r.blocks = 0
                 self.running.remove(r)
+                self.requests.pop(r.rid, None)
+                out.finished.append(r.rid)
         if not b.sched:
             # The in-flight batch at the snapshot only carries placeholders.
             for r in b.sampled:
                 r.inflight = 0
+        return out
 
     # -- eq. 12 --------------------------------------------------------------
 
-    def account(self, b: _Batch) -> float:
+    def account(self, b: ScheduledBatch) -> float:
         dt = self.b0 + self.b1 * (b.pre + b.dec) + self.b2 * b.dctx + self.b3 * b.patt
         if self.record:
             self.batches.append(
@@ -552,7 +750,7 @@ class _Run:
                     decode_context=b.dctx,
                     prefill_attention=b.patt,
                     admitted=b.admitted,
-                    preempted=b.preempted,
+                    preempted=len(b.preempted),
                     duration_s=dt,
                     tokens_by_request=tuple((r.rid, n) for r, n in b.sched.items()),
                 )
