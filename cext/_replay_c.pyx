@@ -38,6 +38,7 @@ IMPLEMENTATION = "cython"
 
 cdef extern from "math.h" nogil:
     double INFINITY
+    double fmax(double, double)
 
 # ---------------------------------------------------------------------------
 # Policy, specialisation tags
@@ -232,6 +233,7 @@ ctypedef struct State:
     double b1
     double b2
     double b3
+    double tau           # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
     double t
     # optional batch log
     bint record
@@ -1140,7 +1142,7 @@ cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) noexcept nog
 cdef bint admission_stuck(State* st, Alloc* a, Count* c, int64_t budget) noexcept nogil:
     """Would the waiting stage admit nothing, for a reason only a release can lift?"""
     cdef Req* q
-    cdef int64_t n, wm = 0, full, need
+    cdef int64_t n, wm = 0, full, need, before
     if budget <= 0 or st.wq_n == 0:
         return True
     if st.n_running >= st.P.max_seqs:
@@ -1154,7 +1156,9 @@ cdef bint admission_stuck(State* st, Alloc* a, Count* c, int64_t budget) noexcep
     if not st.P.chunked and n > budget:
         return True
     if Count is PaddedCount:
-        if (st.n_lazy + 1) * imax(imin(n, budget), 1) > st.P.token_budget and st.P.exclusive == 0:
+        # Decodes are in the batch before admissions unless the waiting stage comes first.
+        before = st.n_lazy if st.P.stages[0] != STAGE_WAITING else 0
+        if (before + 1) * imax(imin(n, budget), 1 if before else 0) > st.P.token_budget:
             return True
     if st.unlimited:
         return False
@@ -1263,7 +1267,8 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
     # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
-    dt = m * (st.b0 + st.b1 * st.n_lazy + st.b2 * (st.s_base + st.n_lazy * st.vt)) \
+    dt = m * (st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau)
+              + st.b2 * (st.s_base + st.n_lazy * st.vt)) \
         + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
     if st.record:
         for j in range(m):
@@ -1272,7 +1277,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
             b.nsched = st.n_lazy
             b.dec = st.n_lazy
             b.dctx = st.s_base + st.n_lazy * v
-            if log_batch(st, b, st.b0 + st.b1 * st.n_lazy + st.b2 * b.dctx):
+            if log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx):
                 return -1
             st.ring_n -= 1
     if not st.unlimited:
@@ -1311,7 +1316,8 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexce
         st.step += 1
         if b.nsched > 0:
             st.k += 1
-            dt = st.b0 + st.b1 * (b.pre + b.dec) + st.b2 * b.dctx + st.b3 * b.patt
+            dt = st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau) + st.b2 * b.dctx \
+                + st.b3 * b.patt
             st.t += dt
             if st.record and log_batch(st, b, dt):
                 return R_NOMEM
@@ -1675,11 +1681,14 @@ cdef class Replayer:
         st.sched_ctx = <int64_t*>realloc(st.sched_ctx, sizeof(int64_t) * cap)
         st.tmp = <int32_t*>realloc(st.tmp, sizeof(int32_t) * cap)
         st.grant = <int64_t*>realloc(st.grant, sizeof(int64_t) * cap)
+        # Per-batch lists: a batch collects entries while it is formed and again
+        # while the next one is formed (releases, stale tokens), so they hold
+        # several entries per request (duplicates are harmless, overflow is not).
         for i in range(3):
-            st.ring[i].rel = <int32_t*>realloc(st.ring[i].rel, sizeof(int32_t) * cap)
-            st.ring[i].stale = <int32_t*>realloc(st.ring[i].stale, sizeof(int32_t) * cap)
-            st.ring[i].stale_tok = <int8_t*>realloc(st.ring[i].stale_tok, sizeof(int8_t) * cap)
-            st.ring[i].samp = <Ev*>realloc(st.ring[i].samp, sizeof(Ev) * cap * 2)
+            st.ring[i].rel = <int32_t*>realloc(st.ring[i].rel, sizeof(int32_t) * cap * 4)
+            st.ring[i].stale = <int32_t*>realloc(st.ring[i].stale, sizeof(int32_t) * cap * 2)
+            st.ring[i].stale_tok = <int8_t*>realloc(st.ring[i].stale_tok, sizeof(int8_t) * cap * 2)
+            st.ring[i].samp = <Ev*>realloc(st.ring[i].samp, sizeof(Ev) * cap * 4)
             if not (st.ring[i].rel and st.ring[i].stale and st.ring[i].stale_tok and st.ring[i].samp):
                 raise MemoryError()
         if not (st.r and st.epoch and st.ro and st.ex and st.wq and st.hist and st.sched and st.sched_n
@@ -1699,11 +1708,16 @@ cdef class Replayer:
         if prompt < 1:
             raise ValueError(f"prompt_tokens must be >= 1 (got {prompt})")
         self._ensure(pr.n + 1)
-        b0_, b1_, b2_, b3_ = coeffs
+        if len(coeffs) == 5:
+            b0_, b1_, b2_, b3_, tau_ = coeffs
+        else:
+            b0_, b1_, b2_, b3_ = coeffs
+            tau_ = 0.0
         st.b0 = b0_
         st.b1 = b1_
         st.b2 = b2_
         st.b3 = b3_
+        st.tau = tau_
         st.src = pr.r
         st.cur += 1
         if st.cur == 0x7fffffff:

@@ -128,3 +128,32 @@ def test_snapshot_kv_overrides_policy_geometry(impl: str) -> None:
     snap = Snapshot.build([dec("a", 64, 1, 100)], kv=KVState(32, 500, 497))
     est = BEAEstimator(bearsdk.policy("vllm-v1", {"block_size": 16}), BT, implementation=impl)
     assert est.prepare(snap).replayer.policy.block_size == 32
+
+
+def test_richer_dense_term_is_priced_per_batch(impl: str) -> None:
+    """b1 * max(tokens, tau): small batches cost the floor, in every batch the replay forms."""
+    bt = BT.with_dense_floor(1024)  # above the 512-token budget: every batch costs the floor
+    rng = np.random.default_rng(3)
+    reqs = [
+        dec(f"d{i}", int(rng.integers(100, 900)), int(rng.integers(1, 50)), 400) for i in range(12)
+    ]
+    snap = Snapshot.build(reqs, kv=KVState(16, 2000, 2000 - 800))
+    pol = bearsdk.policy("vllm-v1", {"max_num_batched_tokens": 512, "async_scheduling": False})
+    r = BEAEstimator(pol, bt, implementation=impl).estimate(snap, 3000, 10, explain=True)
+    assert r.batches is not None
+    assert len(r.batches) == 6  # 3000 prompt tokens, 500 per batch next to 12 decodes
+    assert r.ttft_s == pytest.approx(sum(bt.time_of(b) for b in r.batches))
+    assert all(b.duration_s == pytest.approx(bt.time_of(b)) for b in r.batches)
+    plain = BEAEstimator(pol, BT, implementation=impl).estimate(snap, 3000, 10)
+    assert r.ttft_s == pytest.approx(plain.ttft_s + 6 * BT.b1 * (1024 - 512))
+
+
+def test_dense_floor_in_closed_form_decode_runs(impl: str) -> None:
+    # Few decodes, memory-bound wait: the closed-form runs must price the floor too.
+    snap = Snapshot.build([dec("a", 1000, 10, 200), dec("b", 300, 5, 60)], kv=KVState(16, 100, 15))
+    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False})
+    bt = BT.with_dense_floor(128)
+    r = BEAEstimator(pol, bt, implementation=impl).estimate(snap, 600, 5, explain=True)
+    assert r.batches is not None
+    assert r.first_token_batch > 50
+    assert r.ttft_s == pytest.approx(sum(bt.time_of(b) for b in r.batches), rel=1e-9)

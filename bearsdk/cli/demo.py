@@ -1,9 +1,10 @@
 """``bearsdk demo``: the main job on embedded defaults.
 
-Three model instances (Qwen3 0.6B / 8B / 32B-like batch-time coefficients) carry
-different loads; for prompts of several lengths the demo predicts, with BEA, the
-time to first token at each instance under each built-in scheduler, and shows the
-simulated batches behind one estimate. Everything runs locally in a second.
+Three model instances (the shipped Qwen3 0.6B / 8B / 32B batch-time profiles)
+carry different loads; for prompts of several lengths the demo predicts, with
+BEA, the time to first token at each instance under each built-in scheduler, and
+shows the simulated batches behind one estimate. Everything runs locally in a
+second.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ import time
 
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.profiles import load_profile
 from bearsdk.replay import IMPLEMENTATION
 from bearsdk.schedulers import policy
 from bearsdk.snapshot import KVState, RequestState, Snapshot
 
 __all__ = ["register"]
 
-# Illustrative eq. 12 coefficients (s): overhead, per token, per decode-context
-# token, per prefill-attention unit. Calibrated profiles replace these.
-INSTANCES = {
-    "qwen3-0.6b": (BatchTimeModel(0.0030, 1.2e-6, 4.0e-9, 1.0e-11), 0.2),
-    "qwen3-8b": (BatchTimeModel(0.0060, 1.6e-5, 2.5e-8, 6.0e-11), 0.6),
-    "qwen3-32b": (BatchTimeModel(0.0110, 4.0e-5, 6.0e-8, 2.0e-10), 0.9),
+# (batch-time profile, load: share of a busy instance's requests resident)
+INSTANCES: dict[str, tuple[BatchTimeModel, float]] = {
+    "qwen3-0.6b": (load_profile("qwen3-0.6b-h100"), 0.2),
+    "qwen3-8b": (load_profile("qwen3-8b-h100"), 0.6),
+    "qwen3-32b": (load_profile("qwen3-32b-2xh100"), 0.9),
 }
 SCHEDULERS = {
     "vllm-v1": {"max_num_batched_tokens": 8192, "max_num_seqs": 256},

@@ -26,6 +26,11 @@ from bearsdk.snapshot import Snapshot
 __all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate"]
 
 
+def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
+    """The coefficients the replay loops take: eq. 12, plus the dense floor when on."""
+    return bt.extended_coeffs if bt.has_dense_floor else bt.coeffs
+
+
 @attrs.frozen
 class TTFTEstimate:
     """A BEA prediction.
@@ -74,9 +79,18 @@ class BEAEstimator:
     """
 
     policy: Policy
-    batch_time: BatchTimeModel
+    # Recalibration swaps the model; the replay's coefficient tuple follows it.
+    batch_time: BatchTimeModel = attrs.field(on_setattr=lambda inst, _a, v: inst._set_coeffs(v))
     length_predictor: LengthPredictor = attrs.field(factory=MeanLengthPredictor)
     implementation: str | None = None
+    _coeffs: tuple[float, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._coeffs = _replay_coeffs(self.batch_time)
+
+    def _set_coeffs(self, bt: BatchTimeModel) -> BatchTimeModel:
+        self._coeffs = _replay_coeffs(bt)
+        return bt
 
     @classmethod
     def for_scheduler(
@@ -140,7 +154,7 @@ class BEAEstimator:
             prep.state,
             prompt_tokens,
             max(1, output_len),
-            self.batch_time.coeffs,
+            _replay_coeffs(self.batch_time),
             record=explain,
             max_tokens=-1 if max_tokens is None else max_tokens,
         )
@@ -155,6 +169,6 @@ class BEAEstimator:
 
     def ttft(self, prepared: PreparedSnapshot, prompt_tokens: int, output_len: int) -> float:
         """The hot path: predicted TTFT in seconds, nothing else."""
-        return prepared.replayer.ttft(
-            prepared.state, prompt_tokens, output_len, self.batch_time.coeffs
-        ) + (prepared.snapshot.inflight_remaining_s or 0.0)
+        return prepared.replayer.ttft(prepared.state, prompt_tokens, output_len, self._coeffs) + (
+            prepared.snapshot.inflight_remaining_s or 0.0
+        )

@@ -123,10 +123,22 @@ class ScheduledBatch:
         patt: Summed prefill attention (eq. 12 terms).
     """
 
-    __slots__ = ("admitted", "dctx", "dec", "patt", "pre", "preempted", "sampled", "sched")
+    __slots__ = (
+        "admitted",
+        "carried",
+        "dctx",
+        "dec",
+        "patt",
+        "pre",
+        "preempted",
+        "sampled",
+        "sched",
+    )
 
     def __init__(self) -> None:
         self.sched: dict[_Req, int] = {}
+        # the batch in flight at a snapshot: tokens it carries per request
+        self.carried: dict[_Req, int] = {}
         self.sampled: list[_Req] = []
         self.admitted = 0
         self.preempted: list[str] = []
@@ -310,7 +322,9 @@ class Replayer:
             prepared: State from :meth:`prepare` (not modified).
             prompt_tokens: The new request's prompt length.
             output_len: Its (predicted) output length.
-            coeffs: Eq. 12 coefficients ``(b0, b1, b2, b3)`` in seconds.
+            coeffs: Eq. 12 coefficients ``(b0, b1, b2, b3)`` in seconds, optionally
+                followed by the richer dense term's floor ``tau`` (tokens): the dense
+                part then costs ``b1 * max(tokens, tau)``.
             record: Return the simulated batches.
             max_batches: Give up after this many batches.
             max_tokens: The new request's output cap (``-1``: none).
@@ -353,7 +367,7 @@ class SchedulerCore:
             free_blocks = 0 if self.unlimited else policy.num_blocks - policy.reserved_blocks
         self.free = free_blocks
         self.record = False
-        self.b0 = self.b1 = self.b2 = self.b3 = 0.0
+        self.b0 = self.b1 = self.b2 = self.b3 = self.tau = 0.0
         self.batches: list[BatchRecord] = []
         self.queue: deque[ScheduledBatch] = deque()
 
@@ -373,7 +387,8 @@ class SchedulerCore:
         core.free = prepared.free_blocks
         core.unlimited = prepared.unlimited_kv
         core.record = record
-        core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs)
+        core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
+        core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
         core.batches = []
         # The batch in flight at the snapshot (async): its sampled tokens are the
         # placeholders; partial prefill chunks in it change nothing when processed.
@@ -383,6 +398,7 @@ class SchedulerCore:
             b0.sampled = [r for r in core.running if r.ph > 0]
             for r in b0.sampled:
                 r.inflight = r.ph
+                b0.carried[r] = r.ph
             core.queue.append(b0)
         return core
 
@@ -706,6 +722,8 @@ class SchedulerCore:
         async_ = self.rp._depth > 1
         for r, n in b.sched.items():
             r.inflight -= n
+        for r, n in b.carried.items():
+            r.inflight -= n
         for r in b.sampled:
             if r.status == _FINISHED:
                 continue
@@ -713,7 +731,6 @@ class SchedulerCore:
             if r.status == _WAITING:
                 # Preempted while its token was in flight: it still receives it.
                 r.outputs += 1
-                r.inflight = 0
                 if r.outputs >= r.target:
                     r.status = _FINISHED
                     self.waiting.remove(r)
@@ -731,16 +748,17 @@ class SchedulerCore:
                 self.running.remove(r)
                 self.requests.pop(r.rid, None)
                 out.finished.append(r.rid)
-        if not b.sched:
-            # The in-flight batch at the snapshot only carries placeholders.
-            for r in b.sampled:
-                r.inflight = 0
         return out
 
     # -- eq. 12 --------------------------------------------------------------
 
     def account(self, b: ScheduledBatch) -> float:
-        dt = self.b0 + self.b1 * (b.pre + b.dec) + self.b2 * b.dctx + self.b3 * b.patt
+        dt = (
+            self.b0
+            + self.b1 * max(float(b.pre + b.dec), self.tau)
+            + self.b2 * b.dctx
+            + self.b3 * b.patt
+        )
         if self.record:
             self.batches.append(
                 BatchRecord(
