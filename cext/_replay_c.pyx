@@ -1286,14 +1286,17 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
     st.k += m
     st.step += m
     st.vt += m
-    # The pipeline now holds the run's last batch (async): nothing to process in it.
+    # Async: the run's last batch is now the one in flight (the batches before it,
+    # including one in flight before the run, were processed with no effect).
     if Pipe is AsyncPipe:
-        if prev != NULL:
-            prev.vt = st.vt - 1
-            prev.n_rel = 0
-            prev.n_stale = 0
-            prev.nsched = st.n_lazy
-            prev.sampled_any = True
+        if prev == NULL:
+            prev = ring_new(st)
+        prev.vt = st.vt - 1
+        prev.n_rel = 0
+        prev.n_stale = 0
+        prev.n_samp = 0
+        prev.nsched = st.n_lazy
+        prev.sampled_any = True
     return m
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,12 @@ from bearsdk.replay import IMPLEMENTATION, implementations
 settings.register_profile(
     "soak", max_examples=20_000, deadline=None, suppress_health_check=list(HealthCheck)
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# CI replays the same examples on every run (a red build is then reproducible);
+# local runs explore new ones, and the soak profile explores many more.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "default")
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("BEARSDK_SHARED", REPO.parent / "shared"))
