@@ -17,6 +17,7 @@ from setuptools import setup
 # Module name -> Cython source. The module lands next to its pure-Python twin.
 EXTENSIONS = {
     "bearsdk.replay._replay_c": "cext/_replay_c.pyx",
+    "bearsdk.predictors._features_c": "cext/_features_c.pyx",
 }
 
 

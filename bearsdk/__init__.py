@@ -23,6 +23,18 @@ from bearsdk.estimators.lps import LPSEstimator
 from bearsdk.estimators.prefill import PrefillThroughputEstimator
 from bearsdk.estimators.profiles import load_profile, profile_names
 from bearsdk.estimators.stats import InstanceStats
+from bearsdk.predictors import (
+    QWEN3_POOL,
+    ModelSpec,
+    PoolPrediction,
+    Predictor,
+    PredictorError,
+    PredictorFormatError,
+    PromptTokenCounter,
+    TrainConfig,
+    load_pool,
+    train_predictor,
+)
 from bearsdk.replay import (
     IMPLEMENTATION,
     BatchRecord,
@@ -51,6 +63,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "IMPLEMENTATION",
+    "QWEN3_POOL",
     "BEAEstimator",
     "BEALatencyEstimator",
     "BatchObservation",
@@ -66,10 +79,16 @@ __all__ = [
     "LatencyEstimator",
     "LengthPredictor",
     "MeanLengthPredictor",
+    "ModelSpec",
     "OnlineBatchTime",
     "Policy",
+    "PoolPrediction",
+    "Predictor",
+    "PredictorError",
+    "PredictorFormatError",
     "PrefillThroughputEstimator",
     "PreparedSnapshot",
+    "PromptTokenCounter",
     "ReplayResult",
     "Replayer",
     "ReplayerProtocol",
@@ -87,11 +106,13 @@ __all__ = [
     "StepOutput",
     "StopReason",
     "TTFTEstimate",
+    "TrainConfig",
     "__version__",
     "compile_policy",
     "decode_snapshot",
     "fit_batch_time",
     "get_scheduler",
+    "load_pool",
     "load_profile",
     "load_spec",
     "policy",
@@ -100,5 +121,6 @@ __all__ = [
     "register_scheduler",
     "scheduler_names",
     "snapshot_from_dict",
+    "train_predictor",
     "unregister_scheduler",
 ]
