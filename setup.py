@@ -18,6 +18,8 @@ from setuptools import setup
 EXTENSIONS = {
     "bearsdk.replay._replay_c": "cext/_replay_c.pyx",
     "bearsdk.predictors._features_c": "cext/_features_c.pyx",
+    "bearsdk._snapshot_c": "cext/_snapshot_c.pyx",
+    "bearsdk.io._shm_c": "cext/_shm_c.pyx",
 }
 
 

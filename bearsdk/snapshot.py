@@ -10,12 +10,21 @@ value and never yields a partial snapshot.
 The replay loop does not read Python objects: :attr:`Snapshot.table` is an
 ``int64`` array with one row per request, in scheduling order, whose columns are
 named by the ``COL_*`` constants below. It is built once, at decode time.
+
+Two decoders honour one contract: the compiled scanner ``bearsdk._snapshot_c``
+(built from ``cext/_snapshot_c.pyx``) decodes the bytes of a valid snapshot in
+one pass, and defers every document it does not fully understand (including
+every invalid one) to the pure-Python reference below, which therefore produces
+every error message. ``BEARSDK_NO_EXTENSIONS=1`` selects the reference alone;
+:data:`DECODER` says which one :func:`decode_snapshot` uses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -27,11 +36,13 @@ from bearsdk.errors import SnapshotError
 
 __all__ = [
     "COLUMNS",
+    "DECODER",
     "SCHEMA",
     "KVState",
     "RequestState",
     "Snapshot",
     "decode_snapshot",
+    "decoders",
     "snapshot_from_dict",
 ]
 
@@ -58,6 +69,8 @@ COLUMNS: Final = (
 NCOLS: Final = len(COLUMNS)
 STATE_RUNNING: Final = 0
 STATE_WAITING: Final = 1
+# Every integer must fit the int64 table (orjson yields integers up to 2**64 - 1).
+INT_MAX: Final = 2**63 - 1
 
 _STATES: Final = {"running": STATE_RUNNING, "waiting": STATE_WAITING}
 _REQUEST_REQUIRED: Final = ("id", "state", "prompt_tokens", "computed_tokens", "output_tokens")
@@ -145,6 +158,8 @@ class Snapshot:
         ids: Request ids, in scheduling order (running first, then waiting).
         table: Read-only ``int64`` array, one row per request, columns ``COLUMNS``.
         inflight_remaining_s: Time until the batch executing at capture completes.
+        epoch: Identifies one run of the engine process (``docs/protocol.md``): a
+            new epoch means the engine restarted and its ``seq`` started over.
     """
 
     instance: str
@@ -154,6 +169,7 @@ class Snapshot:
     ids: tuple[str, ...]
     table: npt.NDArray[np.int64] = attrs.field(converter=_freeze_table)
     inflight_remaining_s: float | None = None
+    epoch: str | None = None
 
     @property
     def num_running(self) -> int:
@@ -199,6 +215,8 @@ class Snapshot:
         d["requests"] = [r.to_dict() for r in self.requests()]
         if self.inflight_remaining_s is not None:
             d["inflight"] = {"remaining_s": self.inflight_remaining_s}
+        if self.epoch is not None:
+            d["epoch"] = self.epoch
         return d
 
     def to_json(self) -> bytes:
@@ -215,6 +233,7 @@ class Snapshot:
         time: float = 0.0,
         kv: KVState | None = None,
         inflight_remaining_s: float | None = None,
+        epoch: str | None = None,
     ) -> Snapshot:
         """Build and validate a snapshot from request values or dicts.
 
@@ -225,6 +244,7 @@ class Snapshot:
             time: Capture time (Unix seconds).
             kv: KV-cache state, if known.
             inflight_remaining_s: Remaining time of the batch in flight, if any.
+            epoch: The engine run's identifier, if it publishes one.
 
         Returns:
             The validated snapshot.
@@ -243,22 +263,13 @@ class Snapshot:
             doc["kv"] = attrs.asdict(kv)
         if inflight_remaining_s is not None:
             doc["inflight"] = {"remaining_s": inflight_remaining_s}
+        if epoch is not None:
+            doc["epoch"] = epoch
         return snapshot_from_dict(doc)
 
 
-def decode_snapshot(data: bytes | bytearray | memoryview | str) -> Snapshot:
-    """Decode and validate a ``bear.snapshot/1`` JSON document.
-
-    Args:
-        data: The JSON text.
-
-    Returns:
-        The validated snapshot.
-
-    Raises:
-        SnapshotError: Malformed JSON, wrong schema, or a bad field; the message
-            names the field and the value.
-    """
+def _decode_py(data: bytes | bytearray | memoryview | str) -> Snapshot:
+    """The reference decoder: orjson, then :func:`snapshot_from_dict`."""
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -271,6 +282,8 @@ def _int(v: object, field: str, lo: int, hi: int | None = None) -> int:
     if type(v) is not int or v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise SnapshotError(field, f"must be an integer {rng} (got {v!r})", v)
+    if v > INT_MAX:
+        raise SnapshotError(field, f"must be an integer in [{lo}, 2**63 - 1] (got {v!r})", v)
     return v
 
 
@@ -379,6 +392,9 @@ def snapshot_from_dict(doc: object) -> Snapshot:
                 "inflight.remaining_s", f"must be a finite number >= 0 (got {rs!r})", rs
             )
         remaining = float(rs)
+    epoch = doc.get("epoch")
+    if epoch is not None and (not isinstance(epoch, str) or not epoch):
+        raise SnapshotError("epoch", f"must be a non-empty string (got {epoch!r})", epoch)
     reqs = doc.get("requests")
     if not isinstance(reqs, Sequence) or isinstance(reqs, str | bytes):
         raise SnapshotError("requests", f"must be a list (got {reqs!r})", reqs)
@@ -420,4 +436,73 @@ def snapshot_from_dict(doc: object) -> Snapshot:
         ids=tuple(ids),
         table=table,
         inflight_remaining_s=remaining,
+        epoch=epoch,
     )
+
+
+def _snapshot_from_parts(parts: tuple[Any, ...]) -> Snapshot:
+    instance, seq, t, kv, ids, table, remaining, epoch = parts
+    return Snapshot(
+        instance=instance,
+        seq=seq,
+        time=t,
+        kv=None if kv is None else KVState(*kv),
+        ids=ids,
+        table=table,
+        inflight_remaining_s=remaining,
+        epoch=epoch,
+    )
+
+
+_FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
+_scan: Callable[[object], tuple[Any, ...] | None] | None = None
+if _FLAG in {"", "0", "no", "false"}:
+    with contextlib.suppress(ImportError):  # built without extensions
+        from bearsdk._snapshot_c import decode as _scan
+
+
+def _decode_c(data: bytes | bytearray | memoryview | str) -> Snapshot:
+    """The compiled scanner, deferring to the reference for whatever it declines."""
+    assert _scan is not None
+    buf = data
+    if isinstance(data, str):
+        try:
+            buf = data.encode()
+        except UnicodeEncodeError:  # lone surrogates: the reference reports them
+            return _decode_py(data)
+    parts = _scan(buf)
+    if parts is None:
+        return _decode_py(data)
+    return _snapshot_from_parts(parts)
+
+
+DECODER: str = "python" if _scan is None else "cython"
+"""``"cython"`` or ``"python"``: the decoder :func:`decode_snapshot` uses."""
+
+
+def decoders() -> dict[str, Callable[[bytes | bytearray | memoryview | str], Snapshot]]:
+    """Return every importable decoder by name (tests run against each)."""
+    out: dict[str, Callable[[bytes | bytearray | memoryview | str], Snapshot]] = {
+        "python": _decode_py
+    }
+    if _scan is not None:
+        out["cython"] = _decode_c
+    return out
+
+
+def decode_snapshot(data: bytes | bytearray | memoryview | str) -> Snapshot:
+    """Decode and validate a ``bear.snapshot/1`` JSON document.
+
+    Args:
+        data: The JSON text.
+
+    Returns:
+        The validated snapshot.
+
+    Raises:
+        SnapshotError: Malformed JSON, wrong schema, or a bad field; the message
+            names the field and the value.
+    """
+    if _scan is not None:
+        return _decode_c(data)
+    return _decode_py(data)

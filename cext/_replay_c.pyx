@@ -1780,9 +1780,10 @@ cdef class Replayer:
             b0.n_rel = pr.n_b0_rel
         return 0
 
-    def ttft(self, Prepared prepared, long long prompt_tokens, long long output_len, coeffs):
+    def ttft(self, Prepared prepared, long long prompt_tokens, long long output_len, coeffs,
+             long long max_tokens=-1):
         """Return only the predicted time to first token (``inf`` when never)."""
-        self._start(prepared, prompt_tokens, output_len, -1, coeffs, False)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, 1_000_000)

@@ -122,6 +122,9 @@ def test_hot_path_equals_full_estimate(impl: str) -> None:
     prep = est.prepare(snap)
     for p in (16, 700, 5000):
         assert est.ttft(prep, p, 50) == pytest.approx(est.estimate(prep, p, 50).ttft_s)
+        for cap in (1, 8, 50, 4000):
+            full = est.estimate(prep, p, 50, max_tokens=cap).ttft_s
+            assert est.ttft(prep, p, 50, cap) == pytest.approx(full)
 
 
 def test_snapshot_kv_overrides_policy_geometry(impl: str) -> None:

@@ -130,6 +130,11 @@ def test_fused_path_equals_row_evaluation(pred: Predictor, data: TrainingSet) ->
         assert np.array_equal(p.accuracy, rows["accuracy"])
         assert np.array_equal(p.output_tokens, rows["output_tokens"])
         assert np.array_equal(p.output_quantiles[0.9], rows["output_tokens_p90"])
+        lean = pred.predict(prompt, quantiles=False)  # the router's path
+        assert np.array_equal(lean.accuracy, p.accuracy)
+        assert np.array_equal(lean.output_tokens, p.output_tokens)
+        assert np.array_equal(lean.cost_usd, p.cost_usd)
+        assert not lean.output_quantiles
 
 
 @pytest.mark.skipif("cython" not in _impl.implementations(), reason="built without extensions")

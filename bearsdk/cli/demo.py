@@ -1,93 +1,358 @@
 """``bearsdk demo``: the main job on embedded defaults.
 
-Three model instances (the shipped Qwen3 0.6B / 8B / 32B batch-time profiles)
-carry different loads; for prompts of several lengths the demo predicts, with
-BEA, the time to first token at each instance under each built-in scheduler, and
-shows the simulated batches behind one estimate. Everything runs locally in a
-second.
+Three emulated vLLM engines (Qwen3-0.6B and 8B on one H100 each, Qwen3-32B on
+two) run in process and in real time; a Poisson workload of the paper's four
+tasks, each request with its appendix A.2 TTFT target, goes through
+:class:`~bearsdk.router.AsyncRouter` as streamed chat requests, once per policy
+and arrival rate, each run on fresh engines with the same requests. The table
+shows OnTimeUtility (eq. 6), SLO attainment and where the requests went; the
+plot (SVG, no plotting library needed) shows OnTimeUtility against the rate.
+
+Runs go in parallel worker processes (``--jobs``, default: one per core) so
+that one run's engines do not steal another's event loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import math
+import os
+import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 
-from bearsdk.estimators.batch_time import BatchTimeModel
-from bearsdk.estimators.bea import BEAEstimator
-from bearsdk.estimators.profiles import load_profile
+import anyio
+import attrs
+
+from bearsdk.emulator.text import Tokenizer
+from bearsdk.evaluation import RunSummary, drive_workload, summarize
 from bearsdk.replay import IMPLEMENTATION
-from bearsdk.schedulers import policy
-from bearsdk.snapshot import KVState, RequestState, Snapshot
 
-__all__ = ["register"]
+__all__ = ["DEMO_POLICIES", "DEMO_PROFILES", "register", "run_policy"]
 
-# (batch-time profile, load: share of a busy instance's requests resident)
-INSTANCES: dict[str, tuple[BatchTimeModel, float]] = {
-    "qwen3-0.6b": (load_profile("qwen3-0.6b-h100"), 0.2),
-    "qwen3-8b": (load_profile("qwen3-8b-h100"), 0.6),
-    "qwen3-32b": (load_profile("qwen3-32b-2xh100"), 0.9),
-}
-SCHEDULERS = {
-    "vllm-v1": {"max_num_batched_tokens": 8192, "max_num_seqs": 256},
-    "sarathi": {"chunk_size": 2048, "max_num_seqs": 256},
-    "prefill-first": {"max_num_batched_tokens": 16384, "max_num_seqs": 256, "max_model_len": 16384},
-}
+DEMO_PROFILES = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100")
+"""The three emulated instances (the paper's pool)."""
+
+DEMO_POLICIES = (
+    "bear",
+    "prefill-tps",
+    "latency-agnostic",
+    "routebalance",
+    "score",
+    "round-robin",
+    "shortest-queue",
+    "lmdeploy-proxy",
+    "semantic-router",
+)
+"""BEAR, its Prefill-TPS ablation and the paper's seven baselines."""
+
+_TAIL_S = 1.3  # longer than the largest A.2 target (1.12 s): every first-token outcome is known
+_WARMUP_S = 0.3  # first snapshots reach the router
 
 
-def _snapshot(name: str, load: float, seed: int) -> Snapshot:
-    rng = random.Random(seed)
-    reqs: list[RequestState] = []
-    for i in range(int(120 * load)):
-        p = rng.randint(200, 3000)
-        o = rng.randint(1, 300)
-        total = o + rng.randint(1, 500)
-        reqs.append(RequestState(f"d{i}", "running", p, p + o - 1, o, 1024, total))
-    for i in range(int(12 * load)):
-        prompt = rng.randint(300, 4000)
-        reqs.append(RequestState(f"w{i}", "waiting", prompt, 0, 0, 512, rng.randint(20, 400)))
-    held = sum(-(-r.computed_tokens // 16) for r in reqs)
-    return Snapshot.build(reqs, instance=name, kv=KVState(16, 120_000, 120_000 - held - 1))
+@attrs.frozen
+class _Job:
+    policy: str
+    rate: float
+    n: int
+    seed: int
+    lam: float
+    slowdown: float = 1.0
+
+
+@attrs.define
+class _Encoding:
+    ids: list[str]
+
+
+@attrs.define
+class _TokenizerAdapter:
+    """The emulator's tokenizer as the predictor's ``TokenizerLike`` (only counts matter)."""
+
+    _tok: Tokenizer
+
+    def encode(self, sequence: str, /, *args: object, **kwargs: object) -> _Encoding:
+        return _Encoding(self._tok.pieces(sequence))
+
+
+async def _run_async(job: _Job) -> RunSummary:
+    from bearsdk.emulator import EnginePool, GroundTruthParams
+    from bearsdk.router import AsyncRouter, InstanceConfig
+    from bearsdk.selectors import make_selector
+    from bearsdk.workload import synthetic_workload
+
+    items = synthetic_workload(job.n, job.rate, seed=job.seed)
+    t0 = time.perf_counter()
+    slow = GroundTruthParams(time_scale=job.slowdown)
+    async with EnginePool.of(*DEMO_PROFILES, seed=job.seed, time_model=slow) as pool:
+        by_name = {e.instance: e for e in pool}
+        configs = [
+            InstanceConfig(
+                name=e.instance,
+                url=e.url,
+                model=e.model_name,
+                # Each instance's own calibration, as from a profiling run on its GPU.
+                batch_time=e.time_model.fit_eq12(
+                    max_batched_tokens=e.policy.token_budget, max_seqs=e.policy.max_seqs
+                ),
+                snapshots="push",
+            )
+            for e in pool
+        ]
+
+        def lookup(instance: str, request_id: str) -> tuple[int, int] | None:
+            # vLLM names a chat request ``chatcmpl-<X-Request-Id>``.
+            h = by_name[instance].request(f"chatcmpl-{request_id}")
+            return None if h is None else (h.plan.prompt_tokens, h.plan.output_len)
+
+        policy = make_selector(job.policy, lam=job.lam)
+        router = AsyncRouter(configs, policy)
+        for e in pool:
+            # Each model's own tokenizer, as a deployment loads its tokenizer.json.
+            router.predictor.set_tokenizer(e.model_name, _TokenizerAdapter(e.tokenizer))
+        async with router:
+            await anyio.sleep(_WARMUP_S)
+            results, lag = await drive_workload(router, items, tail_s=_TAIL_S, lookup=lookup)
+    return summarize(
+        job.policy,
+        job.rate,
+        results,
+        lam=job.lam,
+        arrival_lag_p99_s=lag,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def run_policy(
+    policy: str, rate: float, *, duration_s: float = 10.0, seed: int = 0, lam: float = 5e-4
+) -> RunSummary:
+    """One demo run: a fresh emulated pool, ``rate * duration_s`` requests, one policy.
+
+    Args:
+        policy: A built-in policy name (:data:`bearsdk.selectors.SELECTORS`).
+        rate: Mean Poisson arrival rate, requests/s.
+        duration_s: Span of the arrivals, seconds.
+        seed: Seeds the workload and the engines (same seed, same requests).
+        lam: Cost weight of the utility.
+    """
+    n = max(1, round(rate * duration_s))
+    return anyio.run(_run_async, _Job(policy, rate, n, seed, lam))
+
+
+def _run_job(job: _Job) -> RunSummary:
+    return anyio.run(_run_async, job)
+
+
+def _short(instance: str) -> str:
+    return instance.split("-h100")[0].split("-2xh100")[0].removeprefix("qwen3-")
+
+
+def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
+    instances = sorted(
+        {k for s in summaries for k in s.composition if k},
+        key=lambda k: next((i for i, p in enumerate(DEMO_PROFILES) if k.startswith(p)), 9),
+    )
+    head = f"  {'policy':17} {'OnTimeUtility':>13} {'SLO':>6} {'TTFT p50':>9} {'p99':>7}  "
+    head += " ".join(f"{_short(i):>6}" for i in instances) + "  failed"
+    lines = []
+    for rate in rates:
+        rows = sorted((s for s in summaries if s.rate == rate), key=lambda s: -s.on_time_utility)
+        if not rows:
+            continue
+        lines.append(f"\narrival rate {rate:g} req/s ({rows[0].n} requests)")
+        lines.append(head)
+        best = rows[0].on_time_utility
+        for s in rows:
+            mark = " *" if s.on_time_utility == best else "  "
+            comp = " ".join(f"{s.composition.get(i, 0.0):6.0%}" for i in instances)
+            lines.append(
+                f"{mark}{s.policy:17} {s.on_time_utility:13.3f} {s.attainment:6.0%} "
+                f"{s.ttft_p50_s * 1e3:7.0f}ms {s.ttft_p99_s * 1e3:5.0f}ms  {comp}  {s.failed:6}"
+            )
+    return "\n".join(lines)
+
+
+_COLORS = (
+    "#d62728",
+    "#ff7f0e",
+    "#1f77b4",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+
+
+def _svg(summaries: Sequence[RunSummary], path: Path) -> None:
+    """OnTimeUtility against arrival rate, one line per policy (plain SVG)."""
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    rates = sorted({s.rate for s in summaries})
+    w, h, left, right, top, bottom = 760, 440, 70, 190, 40, 60
+    ys = [s.on_time_utility for s in summaries]
+    y_lo, y_hi = min(0.0, min(ys)), max(ys) * 1.08 or 1.0
+    x_lo, x_hi = rates[0], rates[-1] if rates[-1] > rates[0] else rates[0] + 1
+
+    def px(x: float) -> float:
+        return left + (x - x_lo) / (x_hi - x_lo) * (w - left - right)
+
+    def py(y: float) -> float:
+        return h - bottom - (y - y_lo) / (y_hi - y_lo) * (h - top - bottom)
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2 - right / 2:.0f}" y="22" text-anchor="middle" font-size="15">'
+        "OnTimeUtility (eq. 6) by arrival rate</text>",
+    ]
+    for k in range(6):
+        y = y_lo + (y_hi - y_lo) * k / 5
+        out.append(
+            f'<line x1="{left}" x2="{w - right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 8}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>'
+        )
+    for r in rates:
+        out.append(f'<text x="{px(r):.1f}" y="{h - bottom + 18}" text-anchor="middle">{r:g}</text>')
+    out.append(
+        f'<text x="{(left + w - right) / 2:.0f}" y="{h - 18}" text-anchor="middle">'
+        "arrival rate (requests/s)</text>"
+    )
+    for i, pol in enumerate(policies):
+        color = _COLORS[i % len(_COLORS)]
+        pts = sorted((s.rate, s.on_time_utility) for s in summaries if s.policy == pol)
+        path_d = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        width = 3 if pol == "bear" else 1.5
+        out.append(
+            f'<polyline points="{path_d}" fill="none" stroke="{color}" stroke-width="{width}"/>'
+        )
+        for x, y in pts:
+            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>')
+        ly = top + 10 + i * 18
+        out.append(
+            f'<line x1="{w - right + 15}" x2="{w - right + 35}" y1="{ly}" y2="{ly}" '
+            f'stroke="{color}" stroke-width="{width}"/>'
+            f'<text x="{w - right + 40}" y="{ly + 4}">{pol}</text>'
+        )
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--rates must be comma-separated numbers (got {text!r})"
+        ) from None
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise argparse.ArgumentTypeError(f"--rates must be positive numbers (got {text!r})")
+    return rates
+
+
+def _policies(text: str) -> list[str]:
+    from bearsdk.selectors import SELECTORS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for n in names:
+        if n not in SELECTORS:
+            raise argparse.ArgumentTypeError(
+                f"--policies: {n!r} is not a policy (known: {', '.join(SELECTORS)})"
+            )
+    return names
 
 
 def _run(args: argparse.Namespace) -> int:
-    print(f"bearsdk demo: BEA time-to-first-token estimates (replay: {IMPLEMENTATION})\n")
-    snaps = {n: _snapshot(n, load, i) for i, (n, (_, load)) in enumerate(INSTANCES.items())}
-    for name, s in snaps.items():
-        print(f"  {name:11} {s.num_running:4} running, {s.num_waiting:3} waiting")
-    prompts = (256, 1024, 4096)
-    for sched, params in SCHEDULERS.items():
-        print(f"\nscheduler {sched} {params}")
-        print(f"  {'instance':11}" + "".join(f"{f'prompt {p}':>16}" for p in prompts))
-        for name, (bt, _) in INSTANCES.items():
-            est = BEAEstimator(policy(sched, params), bt)
-            prep = est.prepare(snaps[name])
-            cells = []
-            for p in prompts:
-                r = est.estimate(prep, p, 200)
-                cells.append(f"{r.ttft_s * 1000:9.1f} ms (b{r.first_token_batch})")
-            print(f"  {name:11}" + "".join(f"{c:>16}" for c in cells))
-    name = "qwen3-8b"
-    est = BEAEstimator(policy("vllm-v1", SCHEDULERS["vllm-v1"]), INSTANCES[name][0])
-    prep = est.prepare(snaps[name])
-    r = est.estimate(prep, 4096, 200, explain=True)
-    print(f"\nwhy: the batches before a 4096-token prompt's first token at {name} (vllm-v1)")
-    print(f"  {'batch':>5} {'seqs':>5} {'prefill':>8} {'decode':>7} {'ms':>8}")
-    for i, b in enumerate(r.batches or (), 1):
-        ms = b.duration_s * 1e3
-        print(f"  {i:>5} {b.num_seqs:>5} {b.prefill_tokens:>8} {b.decode_tokens:>7} {ms:>8.2f}")
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        est.ttft(prep, 4096, 200)
-    dt = (time.perf_counter() - t0) / n * 1e6
+    jobs = [
+        _Job(p, r, max(1, round(r * args.duration)), args.seed, args.lam, args.slowdown)
+        for r in args.rates
+        for p in args.policies
+    ]
+    workers = max(1, min(args.jobs or (os.cpu_count() or 1), len(jobs)))
     print(
-        f"\none estimate at {name}: {dt:.1f} us ({len(snaps[name])} resident requests, "
-        f"{r.first_token_batch} batches replayed)"
+        f"bearsdk demo: {len(args.policies)} policies x {len(args.rates)} arrival rates on "
+        f"3 emulated engines ({', '.join(DEMO_PROFILES)}), {args.duration:g} s of Poisson "
+        f"arrivals each, lam={args.lam:g}, replay: {IMPLEMENTATION}, {workers} worker(s)",
+        flush=True,
     )
+    summaries: list[RunSummary] = []
+    t0 = time.perf_counter()
+
+    def progress(s: RunSummary) -> None:
+        summaries.append(s)
+        print(
+            f"  [{len(summaries):2}/{len(jobs)}] {s.policy:17} {s.rate:5g} req/s  "
+            f"OnTimeUtility {s.on_time_utility:6.3f}  SLO {s.attainment:4.0%}  "
+            f"({s.wall_s:4.1f} s, {time.perf_counter() - t0:5.1f} s elapsed)",
+            flush=True,
+        )
+
+    if workers == 1:
+        for job in jobs:
+            progress(_run_job(job))
+    else:
+        import multiprocessing
+
+        # fork: no re-import per worker; the parent runs no event loop or threads yet.
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
+            futures = [ex.submit(_run_job, job) for job in jobs]
+            for fut in as_completed(futures):
+                progress(fut.result())
+    print(_table(summaries, args.rates))
+    lagged = [s for s in summaries if s.arrival_lag_p99_s > 0.05]
+    if lagged:
+        worst = max(s.arrival_lag_p99_s for s in lagged)
+        print(
+            f"\nnote: {len(lagged)} run(s) sent requests late (p99 up to {worst * 1e3:.0f} ms): "
+            "the machine is busy, so the emulated engines ran behind real time; try --jobs 1."
+        )
+    if args.plot is not None:
+        _svg(summaries, args.plot)
+        print(f"\nplot: {args.plot}")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="the main job: BEA estimates on embedded defaults")
+    p = sub.add_parser(
+        "demo",
+        help="the main job: BEAR and the baselines route a workload over 3 emulated engines",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "--rates",
+        type=_rates,
+        default=[4.0, 10.0, 16.0],
+        help="arrival rates, requests/s, comma-separated (default: 4,10,16)",
+    )
+    p.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(DEMO_POLICIES),
+        help="policies, comma-separated (default: BEAR, Prefill-TPS and the 7 baselines)",
+    )
+    p.add_argument(
+        "--duration", type=float, default=8.0, help="seconds of arrivals per run (default 8)"
+    )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=3.0,
+        help="emulated GPUs run this many times slower than the profiled H100s, so that "
+        "rates this machine can emulate in real time saturate them (default 3)",
+    )
+    p.add_argument("--lam", type=float, default=5e-4, help="cost weight (default 5e-4)")
+    p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+    p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("bearsdk-demo.svg"),
+        help="where to save the plot (default bearsdk-demo.svg)",
+    )
+    p.add_argument("--no-plot", dest="plot", action="store_const", const=None)
     p.set_defaults(func=_run)

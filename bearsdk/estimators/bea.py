@@ -167,8 +167,28 @@ class BEAEstimator:
             batches=res.batches,
         )
 
-    def ttft(self, prepared: PreparedSnapshot, prompt_tokens: int, output_len: int) -> float:
-        """The hot path: predicted TTFT in seconds, nothing else."""
-        return prepared.replayer.ttft(prepared.state, prompt_tokens, output_len, self._coeffs) + (
-            prepared.snapshot.inflight_remaining_s or 0.0
+    def ttft(
+        self,
+        prepared: PreparedSnapshot,
+        prompt_tokens: int,
+        output_len: int,
+        max_tokens: int | None = None,
+    ) -> float:
+        """The hot path: predicted TTFT in seconds, nothing else (``inf`` when never).
+
+        Args:
+            prepared: From :meth:`prepare`.
+            prompt_tokens: The new request's prompt length.
+            output_len: Its output length (capped by ``max_tokens``).
+            max_tokens: Its output cap, if any.
+        """
+        if max_tokens is not None:
+            output_len = min(output_len, max_tokens)
+        t = prepared.replayer.ttft(
+            prepared.state,
+            prompt_tokens,
+            max(1, output_len),
+            self._coeffs,
+            -1 if max_tokens is None else max_tokens,
         )
+        return t + (prepared.snapshot.inflight_remaining_s or 0.0)

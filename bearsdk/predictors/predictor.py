@@ -258,7 +258,11 @@ class Predictor:
     # -- prediction --------------------------------------------------------
 
     def predict(
-        self, prompt: str, *, prompt_tokens: Sequence[int] | int | None = None
+        self,
+        prompt: str,
+        *,
+        prompt_tokens: Sequence[int] | int | None = None,
+        quantiles: bool = True,
     ) -> PoolPrediction:
         """Predict accuracy, output length and cost of ``prompt`` on every model of the pool.
 
@@ -266,6 +270,8 @@ class Predictor:
             prompt: The prompt text (for chat requests, the messages' text joined).
             prompt_tokens: The prompt's token count, when the caller knows it: one
                 count for all models or one per model. Counted or estimated otherwise.
+            quantiles: Also evaluate the output-length quantile heads (the router
+                does not need them; skipping them halves the trees walked).
 
         Raises:
             PredictorError: ``prompt`` is not a str or ``prompt_tokens`` is malformed.
@@ -273,16 +279,17 @@ class Predictor:
         if not isinstance(prompt, str):
             raise PredictorError("prompt", "must be a str", type(prompt).__name__)
         x = self._template.copy()
-        out = np.empty((len(self._heads), x.shape[0]))
-        _impl.predict_pool(self.pipeline.extractor, prompt, x, self._heads, self._lo, self._hi, out)
-        quantiles: dict[float, npt.NDArray[np.float64]] = {}
-        if self._qlevels:
+        heads = self._heads if quantiles else self._heads[:2]
+        out = np.empty((len(heads), x.shape[0]))
+        _impl.predict_pool(self.pipeline.extractor, prompt, x, heads, self._lo, self._hi, out)
+        qs: dict[float, npt.NDArray[np.float64]] = {}
+        if self._qlevels and quantiles:
             # Independently trained quantile heads can cross; keep them ordered.
             q = np.maximum.accumulate(out[2:], axis=0)
-            quantiles = dict(zip(self._qlevels, q, strict=True))
+            qs = dict(zip(self._qlevels, q, strict=True))
         ptok = self._prompt_tokens(prompt, prompt_tokens)
         cost = ptok * self._in_price + out[1] * self._out_price
-        return PoolPrediction(self._names, out[0], out[1], ptok, cost, quantiles)
+        return PoolPrediction(self._names, out[0], out[1], ptok, cost, qs)
 
     def _prompt_tokens(
         self, prompt: str, given: Sequence[int] | int | None

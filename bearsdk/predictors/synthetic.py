@@ -48,7 +48,7 @@ from bearsdk.predictors.dataset import TrainingSet
 from bearsdk.predictors.errors import PredictorError
 from bearsdk.predictors.pool import QWEN3_POOL
 
-__all__ = ["TABLE2", "TASKS", "TRACE_FILES", "synthetic_training_set"]
+__all__ = ["TABLE2", "TASKS", "TRACE_FILES", "synthetic_prompt", "synthetic_training_set"]
 
 TASKS: Final = ("alpaca", "govreport", "hotpotqa", "writingprompts")
 
@@ -191,6 +191,21 @@ def _prompt(rng: np.random.Generator, task: str, tokens: float, output: float) -
         return head + "\n\n".join(paras) + question, output
     premise = _filler(rng, max(40, budget - 60))
     return f"[WP] {premise} Write a story based on this prompt.", output
+
+
+def synthetic_prompt(
+    rng: np.random.Generator, task: str, prompt_tokens: float, output_tokens: float
+) -> tuple[str, float]:
+    """A prompt of one of the four tasks, about ``prompt_tokens`` long, as the default
+    predictor was trained on; returns it with its output length (changed when the
+    prompt constrains it, e.g. "in 3 sentences").
+
+    Raises:
+        PredictorError: Unknown task.
+    """
+    if task not in TASKS:
+        raise PredictorError("task", f"must be one of {', '.join(TASKS)}", task)
+    return _prompt(rng, task, prompt_tokens, output_tokens)
 
 
 def synthetic_training_set(

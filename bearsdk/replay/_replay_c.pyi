@@ -24,7 +24,12 @@ class Replayer:
         ids: Sequence[str] | None = None,
     ) -> Prepared: ...
     def ttft(
-        self, prepared: Prepared, prompt_tokens: int, output_len: int, coeffs: Sequence[float]
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float],
+        max_tokens: int = -1,
     ) -> float: ...
     def replay(
         self,

@@ -301,10 +301,17 @@ class Replayer:
     # -- replay ------------------------------------------------------------
 
     def ttft(
-        self, prepared: Prepared, prompt_tokens: int, output_len: int, coeffs: Sequence[float]
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float],
+        max_tokens: int = -1,
     ) -> float:
         """Return only the predicted time to first token (``inf`` when never)."""
-        return self.replay(prepared, prompt_tokens, output_len, coeffs).ttft_s
+        return self.replay(
+            prepared, prompt_tokens, output_len, coeffs, max_tokens=max_tokens
+        ).ttft_s
 
     def replay(
         self,

@@ -99,7 +99,12 @@ class ReplayerProtocol(Protocol):
         ...
 
     def ttft(
-        self, prepared: Any, prompt_tokens: int, output_len: int, coeffs: Sequence[float]
+        self,
+        prepared: Any,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float],
+        max_tokens: int = -1,
     ) -> float:
         """Predicted time to first token only (``inf`` when never)."""
         ...

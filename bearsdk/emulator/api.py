@@ -1,0 +1,694 @@
+"""vLLM's OpenAI-compatible request validation and response shapes, for the emulator.
+
+Requests are validated the way vLLM 0.33's server validates them, and rejected
+with its error shapes: schema problems (a missing or mistyped field) as a 400
+``{"error": {"message": "1 validation error: ...", "type": "Bad Request",
+"param": "body.messages", "code": 400}}``; semantic problems (``max_tokens`` below
+1 or above ``max_model_len``, a prompt longer than the context) as a 400
+``BadRequestError`` whose message ends with ``(parameter=..., value=...)``; an
+unknown model as a 404 ``NotFoundError``. Response objects carry the fields vLLM
+serializes, in its order, so clients that read vLLM read these unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import orjson
+
+from bearsdk.emulator.text import ChatMessageError, classify_prompt, message_text, prompt_seed
+
+if TYPE_CHECKING:
+    from bearsdk.emulator.engine import EmulatedEngine, GenerationPlan
+
+__all__ = [
+    "ApiError",
+    "ParsedRequest",
+    "SseEncoder",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "models_response",
+    "parse_chat",
+    "parse_completion",
+    "usage_chunk",
+]
+
+OUTPUT_LEN_HEADER: Final = "X-Bear-Output-Len"
+OUTPUT_LEN_FIELD: Final = "bear_output_len"
+
+
+class ApiError(Exception):
+    """An HTTP error in vLLM's shape.
+
+    Attributes:
+        status: HTTP status.
+        message: Human-readable message.
+        type: vLLM's error type (``BadRequestError``, ``Bad Request``, ``NotFoundError``).
+        param: The offending parameter, if any.
+    """
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body (``ErrorResponse``)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def _summarize(value: object) -> object:
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "...[truncated]"
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return str(value)
+
+
+def schema_error(loc: str, kind: str, msg: str, value: object) -> ApiError:
+    """A request-schema error, shaped as vLLM reports pydantic's (``RequestValidationError``)."""
+    err = {"type": kind, "loc": f"body.{loc}" if loc else "body", "msg": msg}
+    err["input"] = _summarize(value)  # type: ignore[assignment]
+    return ApiError(400, f"1 validation error:\n  {err}", "Bad Request", err["loc"])
+
+
+def value_error(message: str, param: str, value: object = None) -> ApiError:
+    """A semantic error, shaped as vLLM reports its ``VLLMValidationError``."""
+    extras = [f"parameter={param}"]
+    if value is not None:
+        extras.append(f"value={value}")
+    return ApiError(400, f"{message} ({', '.join(extras)})", "BadRequestError", param)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        raise schema_error(key, "int_type", "Input should be a valid integer", v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        if math.isfinite(v) and v.is_integer():
+            return int(v)
+        raise schema_error(
+            key,
+            "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part",
+            v,
+        )
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            raise schema_error(
+                key,
+                "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer",
+                v,
+            ) from None
+    raise schema_error(key, "int_type", "Input should be a valid integer", v)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return v.lower() in ("true", "1", "yes", "on")
+    raise schema_error(key, "bool_parsing", "Input should be a valid boolean", v)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise schema_error("stop", "string_type", "Input should be a valid string or list", v)
+
+
+@attrs.frozen
+class ParsedRequest:
+    """A validated generation request.
+
+    Attributes:
+        chat: Chat completion (else text completion).
+        model: Model name to report.
+        plan: What it generates.
+        stream: SSE streaming.
+        include_usage: Send the final usage chunk (``stream_options.include_usage``).
+        continuous_usage: Usage on every chunk (``stream_options.continuous_usage_stats``).
+        request_id: Response id (``cmpl-...`` / ``chatcmpl-...``).
+        created: Unix time of creation.
+    """
+
+    chat: bool
+    model: str
+    plan: GenerationPlan
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    request_id: str
+    created: int
+
+
+def _common(
+    body: Any, headers: Mapping[str, str], engine: EmulatedEngine, required: str
+) -> tuple[str, bool, bool, bool]:
+    if not isinstance(body, dict):
+        raise schema_error("", "model_attributes_type", "Input should be a valid dictionary", body)
+    if required not in body:
+        raise schema_error(required, "missing", "Field required", body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise schema_error("model", "string_type", "Input should be a valid string", model)
+    if model and model != engine.model_name:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {engine.model_name}.",
+            "NotFoundError",
+            "model",
+        )
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include = continuous = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise schema_error("stream_options", "model_type", "Input should be an object", opts)
+        if opts and not stream:
+            raise schema_error(
+                "",
+                "value_error",
+                "Value error, Stream options can only be defined when `stream=True`. "
+                "(parameter=stream_options)",
+                body,
+            )
+        include = _bool(opts, "include_usage", False)
+        continuous = include and _bool(opts, "continuous_usage_stats", False)
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise value_error(f"n must be 1 on the emulated engine, got {n}.", "n", n)
+    return engine.model_name, stream, include, continuous
+
+
+def _forced_len(body: Mapping[str, Any], headers: Mapping[str, str]) -> int | None:
+    forced = _int(body, OUTPUT_LEN_FIELD, None)
+    raw = headers.get(OUTPUT_LEN_HEADER)
+    if forced is None and raw is not None:
+        try:
+            forced = int(raw.strip())
+        except ValueError:
+            raise value_error(
+                f"{OUTPUT_LEN_HEADER} must be an integer, got {raw!r}.", OUTPUT_LEN_HEADER, raw
+            ) from None
+    if forced is not None and forced < 1:
+        raise value_error(
+            f"{OUTPUT_LEN_FIELD} must be at least 1, got {forced}.", OUTPUT_LEN_FIELD, forced
+        )
+    return forced
+
+
+def _plan(
+    engine: EmulatedEngine,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    *,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    max_param: str,
+    category: str,
+    class_tokens: int,
+    seed: int,
+) -> GenerationPlan:
+    mml = engine.max_model_len
+    if max_tokens is not None and max_tokens > mml:
+        raise value_error(
+            f"{max_param}={max_tokens} cannot be greater than max_model_len={mml}. "
+            "Please request fewer output tokens.",
+            max_param,
+            max_tokens,
+        )
+    if prompt_tokens > mml:
+        raise value_error(
+            f"This model's maximum context length is {mml} tokens. However, your prompt "
+            f"contains {prompt_tokens} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            prompt_tokens,
+        )
+    effective = mml - prompt_tokens if max_tokens is None else min(max_tokens, mml - prompt_tokens)
+    if effective < 1:
+        raise value_error(
+            f"max_tokens must be at least 1, got {effective}.", "max_tokens", effective
+        )
+    stop = _stop(body)
+    ignore_eos = _bool(body, "ignore_eos", False)
+    min_tokens = _int(body, "min_tokens", 0) or 0
+    if min_tokens < 0:
+        raise value_error(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens"
+        )
+    forced = _forced_len(body, headers)
+    if forced is None:
+        natural = engine.profile.lengths.sample(category, class_tokens, seed)
+    else:
+        natural = forced
+    return engine.plan(
+        prompt_tokens,
+        natural_len=natural,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+    )
+
+
+def _request_id(prefix: str, headers: Mapping[str, str]) -> str:
+    rid = headers.get("X-Request-Id")
+    return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
+
+
+def parse_completion(
+    body: Any, headers: Mapping[str, str], engine: EmulatedEngine
+) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body.
+
+    Raises:
+        ApiError: The request is invalid (vLLM's status, type and message).
+    """
+    model, stream, include, continuous = _common(body, headers, engine, "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if prompt is None or prompt == "" or prompt == []:
+        raise schema_error(
+            "",
+            "value_error",
+            "Value error, Either prompt or prompt_embeds must be provided and non-empty. "
+            "(parameter=prompt)",
+            body,
+        )
+    tok = engine.tokenizer
+    if isinstance(prompt, str):
+        prompt_tokens = tok.count(prompt)
+        category = classify_prompt(prompt, chat=False)
+        seed = prompt_seed(engine.model_name, prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        prompt_tokens = len(prompt)
+        category = "azure-conv"
+        seed = prompt_seed(engine.model_name, prompt)
+    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise value_error(
+            f"the emulated engine serves one prompt per request, got {len(prompt)}.",
+            "prompt",
+            len(prompt),
+        )
+    else:
+        raise schema_error(
+            "prompt", "string_type", "Input should be a valid string or list of token ids", prompt
+        )
+    plan = _plan(
+        engine,
+        body,
+        headers,
+        prompt_tokens=prompt_tokens,
+        max_tokens=_int(body, "max_tokens", 16),
+        max_param="max_tokens",
+        category=category,
+        class_tokens=prompt_tokens,
+        seed=seed,
+    )
+    return ParsedRequest(
+        False,
+        model,
+        plan,
+        stream,
+        include,
+        continuous,
+        _request_id("cmpl", headers),
+        int(time.time()),
+    )
+
+
+def parse_chat(body: Any, headers: Mapping[str, str], engine: EmulatedEngine) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises:
+        ApiError: The request is invalid (vLLM's status, type and message).
+    """
+    model, stream, include, continuous = _common(body, headers, engine, "messages")
+    messages = body["messages"]
+    tok = engine.tokenizer
+    try:
+        rendered = tok.render_chat(messages)
+        last = ""
+        for i, m in enumerate(messages):
+            if m.get("role") == "user":
+                last = message_text(m, i)
+    except ChatMessageError as exc:
+        raise schema_error(exc.field, "value_error", str(exc), exc.value) from None
+    if not messages:
+        raise schema_error("messages", "too_short", "List should have at least 1 item", messages)
+    prompt_tokens = tok.count_chat(rendered)
+    max_param = "max_completion_tokens"
+    max_tokens = _int(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_param = "max_tokens"
+        max_tokens = _int(body, "max_tokens", None)
+    plan = _plan(
+        engine,
+        body,
+        headers,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        max_param=max_param,
+        category=classify_prompt(last, chat=True),
+        class_tokens=max(1, tok.count(last)),
+        seed=prompt_seed(engine.model_name, rendered),
+    )
+    return ParsedRequest(
+        True,
+        model,
+        plan,
+        stream,
+        include,
+        continuous,
+        _request_id("chatcmpl", headers),
+        int(time.time()),
+    )
+
+
+# -- response shapes ------------------------------------------------------------------
+
+
+def _usage(prompt: int, completion: int, *, details: bool = False) -> dict[str, Any]:
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if details:
+        u["prompt_tokens_details"] = None
+        u["completion_tokens_details"] = None
+    return u
+
+
+def completion_chunk(
+    req: ParsedRequest,
+    text: str,
+    finish: str | None,
+    stop_reason: str | None,
+    usage: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """One ``text_completion`` stream chunk."""
+    d: dict[str, Any] = {
+        "id": req.request_id,
+        "object": "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "prompt_token_ids": None,
+                "token_ids": None,
+                "weight_versions": None,
+            }
+        ],
+    }
+    if usage is not None:
+        d["usage"] = _usage(*usage)
+    d["kv_transfer_params"] = None
+    return d
+
+
+def chat_role_chunk(req: ParsedRequest, usage: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The first chat stream chunk (the assistant role)."""
+    d: dict[str, Any] = {
+        "id": req.request_id,
+        "object": "chat.completion.chunk",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    if usage is not None:
+        d["usage"] = _usage(*usage)
+    d["prompt_token_ids"] = None
+    d["prompt_text"] = None
+    return d
+
+
+def chat_chunk(
+    req: ParsedRequest,
+    text: str,
+    finish: str | None,
+    stop_reason: str | None,
+    usage: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with content."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = None
+    if finish is not None:
+        choice["weight_versions"] = None
+    d: dict[str, Any] = {
+        "id": req.request_id,
+        "object": "chat.completion.chunk",
+        "created": req.created,
+        "model": req.model,
+        "choices": [choice],
+    }
+    if usage is not None:
+        d["usage"] = _usage(*usage)
+    d["kv_transfer_params"] = None
+    return d
+
+
+class SseEncoder:
+    """The SSE events of one streaming response, encoded from pre-built parts.
+
+    The hot path of the server (one event per request per engine step): it yields
+    byte-for-byte what :func:`completion_chunk`, :func:`chat_chunk`,
+    :func:`chat_role_chunk` and :func:`usage_chunk` serialize to.
+
+    Args:
+        req: The validated request.
+    """
+
+    __slots__ = ("_chat", "_head", "_usage_head")
+
+    def __init__(self, req: ParsedRequest) -> None:
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        head = orjson.dumps(
+            {"id": req.request_id, "object": obj, "created": req.created, "model": req.model}
+        )[:-1]
+        self._chat = req.chat
+        self._head = b"data: " + head + b',"choices":[{"index":0,'
+        self._usage_head = b"data: " + head + b',"choices":[],"usage":'
+
+    @staticmethod
+    def _usage(usage: tuple[int, int] | None) -> bytes:
+        if usage is None:
+            return b""
+        return b',"usage":' + orjson.dumps(_usage(*usage))
+
+    def content(
+        self,
+        text: str,
+        finish: str | None,
+        stop_reason: str | None,
+        usage: tuple[int, int] | None = None,
+    ) -> bytes:
+        """One content event (``finish`` set on the last)."""
+        t = orjson.dumps(text)
+        f = orjson.dumps(finish)
+        if self._chat:
+            tail = b""
+            if finish is not None:
+                tail = b',"stop_reason":' + orjson.dumps(stop_reason)
+            tail += b',"token_ids":null'
+            if finish is not None:
+                tail += b',"weight_versions":null'
+            body = b'"delta":{"content":' + t + b'},"logprobs":null,"finish_reason":' + f + tail
+        else:
+            body = (
+                b'"text":' + t + b',"logprobs":null,"finish_reason":' + f + b',"stop_reason":'
+                + orjson.dumps(stop_reason)
+                + b',"prompt_token_ids":null,"token_ids":null,"weight_versions":null'
+            )  # fmt: skip
+        return self._head + body + b"}]" + self._usage(usage) + b',"kv_transfer_params":null}\n\n'
+
+    def role(self, usage: tuple[int, int] | None = None) -> bytes:
+        """The first chat event (the assistant role)."""
+        return (
+            self._head
+            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + self._usage(usage)
+            + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
+        )
+
+    def usage(self, prompt: int, completion: int) -> bytes:
+        """The final ``usage`` event."""
+        return self._usage_head + orjson.dumps(_usage(prompt, completion)) + b"}\n\n"
+
+
+def usage_chunk(req: ParsedRequest, prompt: int, completion: int) -> dict[str, Any]:
+    """The final stream chunk with ``usage`` (``stream_options.include_usage``)."""
+    return {
+        "id": req.request_id,
+        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [],
+        "usage": _usage(prompt, completion),
+    }
+
+
+def completion_response(
+    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` response."""
+    return {
+        "id": req.request_id,
+        "object": "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def chat_response(
+    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` response."""
+    return {
+        "id": req.request_id,
+        "object": "chat.completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": None,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def models_response(engine: EmulatedEngine, created: int) -> dict[str, Any]:
+    """``GET /v1/models``."""
+    name = engine.model_name
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": name,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
+    }

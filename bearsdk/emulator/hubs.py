@@ -1,0 +1,194 @@
+"""Fan-out of an engine's snapshots and batch records to its readers.
+
+Snapshots coalesce: a reader that falls behind gets the latest snapshot, never a
+queue (``docs/protocol.md``). Batch records do not: each reader has a bounded
+buffer; when it overflows the oldest records go and the next record sent
+carries ``"dropped": N``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import anyio
+import attrs
+import orjson
+
+__all__ = ["BatchHub", "BatchReader", "PublishedSnapshot", "SnapshotHub", "SnapshotReader"]
+
+
+@attrs.define(eq=False)
+class PublishedSnapshot:
+    """One published ``bear.snapshot/1`` document.
+
+    Attributes:
+        seq: Its ``seq``.
+        doc: The document.
+        batches: Batches the engine had scheduled when it was captured.
+        captured_at: Engine loop clock at capture (``anyio.current_time()``).
+    """
+
+    seq: int
+    doc: dict[str, Any]
+    batches: int
+    captured_at: float
+    _json: bytes | None = None
+
+    def json(self) -> bytes:
+        """The document as JSON bytes (encoded once)."""
+        if self._json is None:
+            self._json = orjson.dumps(self.doc)
+        return self._json
+
+
+@attrs.define(eq=False)
+class SnapshotReader:
+    """One push-stream reader: holds at most the latest unsent snapshot."""
+
+    pending: PublishedSnapshot | None = None
+    closed: bool = False
+    _event: anyio.Event | None = None
+
+    def notify(self) -> None:
+        """Wake the reader's writer task."""
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        """Wait until a snapshot is pending or the hub closes."""
+        if self.pending is not None or self.closed:
+            return
+        self._event = anyio.Event()
+        await self._event.wait()
+
+    def is_closed(self) -> bool:
+        """Whether the hub ended this reader's stream."""
+        return self.closed
+
+    def take(self) -> PublishedSnapshot | None:
+        """The pending snapshot, if any (coalesced: only the latest)."""
+        snap, self.pending = self.pending, None
+        return snap
+
+
+@attrs.define
+class SnapshotHub:
+    """The latest snapshot of one engine, and its push-stream readers."""
+
+    latest: PublishedSnapshot
+    _readers: set[SnapshotReader] = attrs.field(factory=set)
+
+    def publish(self, snap: PublishedSnapshot) -> None:
+        """Make ``snap`` the latest and hand it to every reader (replacing unsent ones)."""
+        self.latest = snap
+        for r in self._readers:
+            r.pending = snap
+            r.notify()
+
+    def subscribe(self) -> SnapshotReader:
+        """A new reader; its first snapshot is the current one."""
+        r = SnapshotReader(pending=self.latest)
+        self._readers.add(r)
+        return r
+
+    def unsubscribe(self, reader: SnapshotReader) -> None:
+        """Forget ``reader``."""
+        self._readers.discard(reader)
+
+    @property
+    def num_readers(self) -> int:
+        """Connected push-stream readers."""
+        return len(self._readers)
+
+    def close(self) -> None:
+        """End every reader's stream (engine stopping or restarting)."""
+        for r in self._readers:
+            r.closed = True
+            r.notify()
+
+
+@attrs.define(eq=False)
+class BatchReader:
+    """One ``/bear/batches`` reader: a bounded buffer of records, oldest dropped first."""
+
+    capacity: int
+    buffer: deque[dict[str, Any]] = attrs.field(factory=deque)
+    dropped: int = 0
+    closed: bool = False
+    _event: anyio.Event | None = None
+
+    def push(self, record: dict[str, Any]) -> None:
+        """Queue one record (dropping the oldest when full)."""
+        if len(self.buffer) >= self.capacity:
+            self.buffer.popleft()
+            self.dropped += 1
+        self.buffer.append(record)
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        """Wait until a record is queued or the hub closes."""
+        if self.buffer or self.closed:
+            return
+        self._event = anyio.Event()
+        await self._event.wait()
+
+    def drain(self) -> bytes:
+        """Every queued record as NDJSON; the first carries ``dropped`` after a loss."""
+        out = []
+        first = True
+        while self.buffer:
+            rec = self.buffer.popleft()
+            if first and self.dropped:
+                rec = {**rec, "dropped": self.dropped}
+                self.dropped = 0
+            first = False
+            out.append(orjson.dumps(rec))
+        return b"\n".join(out) + b"\n" if out else b""
+
+    def close(self) -> None:
+        """End the reader's stream."""
+        self.closed = True
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
+@attrs.define
+class BatchHub:
+    """Batch records of one engine, fanned out to ``/bear/batches`` readers.
+
+    Args:
+        capacity: Records each reader may have unsent before the oldest are dropped.
+    """
+
+    capacity: int = 4096
+    _readers: set[BatchReader] = attrs.field(factory=set)
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Hand one record to every reader."""
+        for r in self._readers:
+            r.push(record)
+
+    @property
+    def has_readers(self) -> bool:
+        """Whether anyone listens (records are built only then)."""
+        return bool(self._readers)
+
+    def subscribe(self) -> BatchReader:
+        """A new reader (it receives records from now on)."""
+        r = BatchReader(self.capacity)
+        self._readers.add(r)
+        return r
+
+    def unsubscribe(self, reader: BatchReader) -> None:
+        """Forget ``reader``."""
+        self._readers.discard(reader)
+
+    def close(self) -> None:
+        """End every reader's stream."""
+        for r in self._readers:
+            r.close()

@@ -1,0 +1,121 @@
+"""Several emulated engines on one event loop (tests, examples, the demo)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import attrs
+
+from bearsdk.emulator.engine import EmulatedEngine, EngineConfig
+
+__all__ = ["EnginePool"]
+
+
+@attrs.define(eq=False)
+class EnginePool:
+    """A set of emulated engines started and stopped together.
+
+    ``async with EnginePool.of("qwen3-0.6b-h100", "qwen3-8b-h100") as pool:`` starts
+    every engine (each on its own port, 0 by default) in one task group and stops
+    them all on exit; ``pool.urls`` lists their base URLs.
+
+    Args:
+        configs: One configuration per engine.
+    """
+
+    _configs: Sequence[EngineConfig]
+    _engines: list[EmulatedEngine] = attrs.field(init=False)
+    _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        names = [c.instance for c in self._configs if c.instance]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique (got {names})")
+        self._engines = []
+        counts: dict[str, int] = {}
+        for cfg in self._configs:
+            if cfg.instance is None:
+                i = counts.get(cfg.profile, 0)
+                counts[cfg.profile] = i + 1
+                cfg = attrs.evolve(cfg, instance=f"{cfg.profile}-{i}")
+            self._engines.append(EmulatedEngine(cfg))
+
+    @classmethod
+    def of(cls, *profiles: str, seed: int = 0, **config: object) -> EnginePool:
+        """A pool with one engine per profile name (seeds ``seed``, ``seed + 1``, ...).
+
+        Args:
+            profiles: Emulator profile names.
+            seed: Seed of the first engine.
+            config: Further :class:`EngineConfig` fields, the same for every engine.
+        """
+        return cls(
+            [
+                EngineConfig(profile=p, seed=seed + i, **config)  # type: ignore[arg-type]
+                for i, p in enumerate(profiles)
+            ]
+        )
+
+    @property
+    def engines(self) -> list[EmulatedEngine]:
+        """The engines, in configuration order."""
+        return self._engines
+
+    @property
+    def urls(self) -> list[str]:
+        """Base URLs of the engines (after start)."""
+        return [e.url for e in self._engines]
+
+    def __iter__(self) -> Iterator[EmulatedEngine]:
+        return iter(self._engines)
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def __getitem__(self, i: int) -> EmulatedEngine:
+        return self._engines[i]
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[EnginePool]) -> None:
+        """Run every engine until cancelled (``await tg.start(pool.run)``)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for e in self._engines:
+                    await tg.start(e.run)
+                task_status.started(self)
+        except BaseExceptionGroup as group:
+            # One engine failed to start (a port in use): report that error itself.
+            if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
+                raise group.exceptions[0] from None
+            raise
+
+    async def __aenter__(self) -> EnginePool:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            await tg.start(self.run)
+        except BaseException as exc:
+            tg.cancel_scope.cancel()
+            with contextlib.suppress(BaseException):
+                await tg.__aexit__(None, None, None)
+            raise exc from None
+        self._tg = tg
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg, self._tg = self._tg, None
+        assert tg is not None
+        tg.cancel_scope.cancel()
+        if isinstance(exc, Exception):
+            # The block's own error propagates as it is, not wrapped in a group.
+            await tg.__aexit__(None, None, None)
+            return None
+        return await tg.__aexit__(exc_type, exc, tb)

@@ -1,0 +1,13 @@
+# Type stub of the compiled seqlock (cext/_shm_c.pyx); same API as _shm_py.
+from typing import Final
+
+IMPLEMENTATION: Final[str]
+OK: Final[int]
+BUSY: Final[int]
+TORN: Final[int]
+TOO_LARGE: Final[int]
+
+def load_counter(segment: memoryview | bytearray) -> int: ...
+def write(segment: memoryview | bytearray, payload: bytes | bytearray | memoryview) -> int: ...
+def read(segment: memoryview | bytearray, out: bytearray | memoryview) -> tuple[int, int, int]: ...
+def read_unchecked(segment: memoryview | bytearray, out: bytearray | memoryview) -> int: ...

@@ -1,0 +1,37 @@
+"""The embedded router: AsyncRouter, pool configuration, decisions."""
+
+from bearsdk.router.breaker import BreakerState, CircuitBreaker
+from bearsdk.router.config import SNAPSHOT_MODES, ConfigError, InstanceConfig, load_pool_config
+from bearsdk.router.decision import Candidate, Decision
+from bearsdk.router.observability import DecisionLog, PrometheusMetrics
+from bearsdk.router.router import (
+    AsyncRouter,
+    ChatStream,
+    DispatchError,
+    EngineRequestError,
+    NoInstanceError,
+    RouterHooks,
+)
+from bearsdk.router.targets import FixedTarget, PaperTargets, TargetRule
+
+__all__ = [
+    "SNAPSHOT_MODES",
+    "AsyncRouter",
+    "BreakerState",
+    "Candidate",
+    "ChatStream",
+    "CircuitBreaker",
+    "ConfigError",
+    "Decision",
+    "DecisionLog",
+    "DispatchError",
+    "EngineRequestError",
+    "FixedTarget",
+    "InstanceConfig",
+    "NoInstanceError",
+    "PaperTargets",
+    "PrometheusMetrics",
+    "RouterHooks",
+    "TargetRule",
+    "load_pool_config",
+]

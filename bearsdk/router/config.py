@@ -1,0 +1,196 @@
+"""The pool a router routes over: instances, their engines, and how to watch them.
+
+A pool is built in Python (:class:`InstanceConfig` values) or read from a TOML
+file (:func:`load_pool_config`)::
+
+    [[instances]]
+    name = "qwen3-8b-0"
+    url = "http://10.0.0.5:8000"
+    model = "Qwen/Qwen3-8B"               # the predictor's model name
+    scheduler = "vllm-v1"                  # a registered policy spec
+    profile = "qwen3-8b-h100"              # a batch-time profile (or batch_time = [b0, b1, b2, b3])
+    snapshots = "push"                     # push | poll | shm | metrics
+    [instances.scheduler_params]
+    max_num_batched_tokens = 8192
+    max_num_seqs = 256
+
+Decoding is strict: unknown keys are errors naming the instance and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+from bearsdk.errors import BearError
+from bearsdk.estimators.batch_time import BatchTimeModel
+
+__all__ = ["SNAPSHOT_MODES", "ConfigError", "InstanceConfig", "load_pool_config"]
+
+SNAPSHOT_MODES: Final = ("push", "poll", "shm", "metrics")
+"""How the router learns an instance's state: the push stream, polling
+``/bear/snapshot``, a shared-memory segment, or (unmodified vLLM) a shadow view
+reconciled with ``/metrics``."""
+
+
+class ConfigError(BearError, ValueError):
+    """A pool configuration is invalid; the message names the instance and the field."""
+
+
+def _url(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ConfigError(f"instance url must start with http:// or https:// (got {value!r})")
+
+
+def _mode(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if value not in SNAPSHOT_MODES:
+        raise ConfigError(f"snapshots must be one of {', '.join(SNAPSHOT_MODES)} (got {value!r})")
+
+
+def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{att.name} must be a number > 0 (got {value!r})")
+
+
+def _frozen_params(v: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((v or {}).items()))
+
+
+@attrs.frozen
+class InstanceConfig:
+    """One model instance of the pool.
+
+    Attributes:
+        name: Unique instance name (metrics, decisions, snapshots' ``instance``).
+        url: Base URL of its OpenAI-compatible server (vLLM or the emulator).
+        model: The model's name in the predictor's pool (accuracy, length, prices).
+        served_model: The ``model`` field the engine expects; default: ``model``.
+        scheduler: Registered scheduler-policy name.
+        scheduler_params: Policy parameters, named as the engine's flags.
+        profile: Batch-time profile name (``bearsdk calibrate --list-profiles``).
+        batch_time: Explicit eq. 12 coefficients, overriding ``profile``.
+        snapshots: One of :data:`SNAPSHOT_MODES`.
+        poll_interval_s: Interval of polling sources (``poll``, ``metrics``).
+        shm_name: Shared-memory segment name (``shm``); default ``bear.<name>``.
+        timeout_s: Per-request timeout for dispatch (connect to last byte).
+    """
+
+    name: str
+    url: str = attrs.field(validator=_url)
+    model: str
+    served_model: str | None = None
+    scheduler: str = "vllm-v1"
+    scheduler_params: tuple[tuple[str, Any], ...] = attrs.field(
+        default=(), converter=_frozen_params
+    )
+    profile: str | None = None
+    batch_time: BatchTimeModel | None = None
+    snapshots: str = attrs.field(default="push", validator=_mode)
+    poll_interval_s: float = attrs.field(default=0.05, validator=_positive)
+    shm_name: str | None = None
+    timeout_s: float = attrs.field(default=300.0, validator=_positive)
+
+    @property
+    def engine_model(self) -> str:
+        """The ``model`` value sent to the engine."""
+        return self.served_model or self.model
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """``scheduler_params`` as a dict."""
+        return dict(self.scheduler_params)
+
+    def batch_time_model(self) -> BatchTimeModel:
+        """The instance's eq. 12 coefficients (explicit, else its profile).
+
+        Raises:
+            ConfigError: Neither is given, or the profile is unknown.
+        """
+        if self.batch_time is not None:
+            return self.batch_time
+        if self.profile is None:
+            raise ConfigError(f"instance {self.name!r}: needs a profile or batch_time")
+        from bearsdk.estimators.profiles import load_profile
+
+        try:
+            return load_profile(self.profile)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"instance {self.name!r}: profile: {exc}") from None
+
+
+_FIELDS: Final = {f.name for f in attrs.fields(InstanceConfig)}
+
+
+def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> InstanceConfig:
+    """Build an :class:`InstanceConfig` from its dict form, strictly."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where} must be a table (got {d!r})")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name must be a non-empty string (got {name!r})")
+    label = f"instance {name!r}"
+    for key in d:
+        if key not in _FIELDS:
+            raise ConfigError(
+                f"{label}: {key} is not a known field (known: {', '.join(sorted(_FIELDS))})"
+            )
+    for key in ("url", "model"):
+        if key not in d:
+            raise ConfigError(f"{label}: {key} is required")
+    kw = dict(d)
+    bt = kw.get("batch_time")
+    if bt is not None and not isinstance(bt, BatchTimeModel):
+        if not isinstance(bt, Sequence) or len(bt) != 4:
+            raise ConfigError(f"{label}: batch_time must be [b0, b1, b2, b3] (got {bt!r})")
+        try:
+            kw["batch_time"] = BatchTimeModel(*bt)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{label}: batch_time: {exc}") from None
+    params = kw.get("scheduler_params")
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"{label}: scheduler_params must be a table (got {params!r})")
+    try:
+        inst = InstanceConfig(**kw)
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    # Fail at load time, not at the first request: bind the scheduler policy now.
+    from bearsdk.schedulers import policy
+
+    policy(inst.scheduler, inst.params)
+    return inst
+
+
+def load_pool_config(source: str | Path | Mapping[str, Any]) -> list[InstanceConfig]:
+    """Read a pool from a TOML file (or its parsed dict): ``[[instances]]`` tables.
+
+    Raises:
+        ConfigError: Invalid TOML, unknown keys, bad values, duplicate names.
+        SpecError: A scheduler or its parameters are invalid.
+    """
+    if isinstance(source, Mapping):
+        doc: Mapping[str, Any] = source
+    else:
+        path = Path(source)
+        try:
+            doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    for key in doc:
+        if key not in ("instances", "router"):
+            raise ConfigError(f"pool: {key} is not a known section (known: instances, router)")
+    raw = doc.get("instances")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("pool: instances must be a non-empty array of tables")
+    out = [instance_from_dict(d, f"instances[{i}]") for i, d in enumerate(raw)]
+    seen: set[str] = set()
+    for inst in out:
+        if inst.name in seen:
+            raise ConfigError(f"instance {inst.name!r}: duplicate name")
+        seen.add(inst.name)
+    return out

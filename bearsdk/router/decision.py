@@ -1,0 +1,97 @@
+"""Decisions: the frozen record of every routing choice, with its reasons."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+__all__ = ["Candidate", "Decision"]
+
+
+@attrs.frozen
+class Candidate:
+    """One instance as it stood when a request was routed.
+
+    Attributes:
+        instance: Instance name.
+        model: Model it serves.
+        accuracy: Predicted accuracy in [0, 1].
+        cost: Predicted cost in micro-dollars (see :class:`~bearsdk.selectors.Option`).
+        utility: ``accuracy - lam * cost``.
+        ttft_s: The policy's TTFT estimate (``nan`` when it uses none).
+        feasible: Predicted to meet the target (``None``: the policy ignores targets).
+        score: What the policy maximised.
+        estimator: Which estimator produced ``ttft_s``: ``bea`` (the snapshot
+            replayed as it is), ``overlay`` (BEA with the requests sent since the
+            snapshot added), ``fast-forward`` (BEA from the snapshot advanced to
+            now), ``lps`` (the queueing fallback: no fresh snapshot), a
+            baseline's estimator name, or ``none``.
+        snapshot_age_s: Age of the snapshot behind the estimate (``inf``: none).
+        queue: Requests the router counted as resident there.
+        prompt_tokens: The prompt's tokens for this instance's model.
+        output_tokens: Predicted output tokens there.
+    """
+
+    instance: str
+    model: str
+    accuracy: float
+    cost: float
+    utility: float
+    ttft_s: float
+    feasible: bool | None
+    score: float
+    estimator: str
+    snapshot_age_s: float = math.inf
+    queue: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@attrs.frozen
+class Decision:
+    """Why a request went where it went.
+
+    Attributes:
+        request_id: The router's id for the request.
+        policy: The selection policy's name.
+        instance: The chosen instance.
+        candidates: Every instance considered, in pool order.
+        index: Index of the chosen one in ``candidates``.
+        ttft_target_s: The request's TTFT target.
+        reason: The policy's reason.
+        prompt_tokens: Prompt tokens at the chosen instance's model.
+        output_tokens: Predicted output tokens there.
+        decided_at: Router clock (``time.monotonic``) at the decision.
+        decide_s: Time the decision took.
+    """
+
+    request_id: str
+    policy: str
+    instance: str
+    candidates: tuple[Candidate, ...]
+    index: int
+    ttft_target_s: float
+    reason: str
+    prompt_tokens: int
+    output_tokens: int
+    decided_at: float
+    decide_s: float
+
+    @property
+    def chosen(self) -> Candidate:
+        """The chosen candidate."""
+        return self.candidates[self.index]
+
+    def explain(self) -> str:
+        """A few lines for humans: the candidates and the choice."""
+        target_ms = self.ttft_target_s * 1e3
+        lines = [f"{self.policy}: {self.instance} ({self.reason}; target {target_ms:.0f} ms)"]
+        for i, c in enumerate(self.candidates):
+            mark = "*" if i == self.index else " "
+            feas = "" if c.feasible is None else (" ok " if c.feasible else " miss")
+            lines.append(
+                f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
+                f"u {c.utility:+.3f} ttft {c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,1052 @@
+"""AsyncRouter: the embedded router (BEAR and friends) over a pool of vLLM instances.
+
+::
+
+    async with AsyncRouter(pool, policy=BEAR(lam=5e-4)) as router:
+        decision = await router.route(prompt_or_messages, ttft_target=0.4)  # choose only
+        stream = await router.chat(messages, ttft_target=0.4, stream=True)  # choose + dispatch
+        async for chunk in stream:
+            ...
+
+The router owns an anyio task group: one snapshot source per instance (push,
+poll, shared memory, or ``/metrics`` for unmodified vLLM) feeds that instance's
+:class:`~bearsdk.state.SnapshotCache`; routing itself is synchronous CPU work on
+the caller's event loop (predictors, then one TTFT estimate per instance, then
+the policy). Dispatch streams the engine's SSE chunks to the caller as they
+arrive, retries on the next-best instance when an instance fails before its
+first byte, and feeds what it observes (TTFT, tokens, usage) back into the
+estimators.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import anyio.abc
+import attrs
+import orjson
+
+from bearsdk.errors import BearError
+from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
+from bearsdk.estimators.baselines import (
+    LMDeployProxyEstimator,
+    RouteBalanceEstimator,
+    ScoreEstimator,
+    SemanticRouterEstimator,
+)
+from bearsdk.estimators.batch_time import BatchDataError, OnlineBatchTime, read_batches
+from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.prefill import PrefillThroughputEstimator, nominal_theta_pre
+from bearsdk.estimators.stats import InstanceStats
+from bearsdk.predictors import PoolPrediction, Predictor
+from bearsdk.router.breaker import CircuitBreaker
+from bearsdk.router.config import ConfigError, InstanceConfig, load_pool_config
+from bearsdk.router.decision import Candidate, Decision
+from bearsdk.router.targets import PaperTargets, TargetRule
+from bearsdk.schedulers import policy as bind_policy
+from bearsdk.selectors import BEAR, Option, Selector
+from bearsdk.state import InstanceState, ShadowView, SnapshotCache, StalenessPolicy
+
+__all__ = ["AsyncRouter", "ChatStream", "DispatchError", "NoInstanceError", "RouterHooks"]
+
+log = logging.getLogger("bearsdk.router")
+
+_MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
+
+
+class NoInstanceError(BearError, RuntimeError):
+    """No instance can take the request (all drained, removed or circuit-broken)."""
+
+
+class DispatchError(BearError, RuntimeError):
+    """Every instance tried failed before answering, or the stream broke.
+
+    Attributes:
+        attempts: ``(instance, error)`` per attempt, in order.
+        decision: The routing decision the first attempt followed.
+    """
+
+    def __init__(
+        self, message: str, attempts: list[tuple[str, str]], decision: Decision | None
+    ) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.decision = decision
+
+
+@attrs.define
+class RouterHooks:
+    """Callbacks for observability; each runs synchronously on the event loop.
+
+    Attributes:
+        on_decision: Every routing decision.
+        on_first_token: ``(decision, instance, observed_ttft_s)`` when the first
+            token of a dispatched request arrives.
+        on_complete: ``(decision, instance, outcome)`` with outcome
+            ``"ok"``, ``"error"`` or ``"cancelled"``.
+        on_failure: ``(decision, instance, why)`` when an attempt fails before
+            the response starts (the request moves on to the next-best instance).
+    """
+
+    on_decision: list[Callable[[Decision], None]] = attrs.Factory(list)
+    on_first_token: list[Callable[[Decision, str, float], None]] = attrs.Factory(list)
+    on_complete: list[Callable[[Decision, str, str], None]] = attrs.Factory(list)
+    on_failure: list[Callable[[Decision, str, str], None]] = attrs.Factory(list)
+
+
+@attrs.define
+class _Instance:
+    config: InstanceConfig
+    model_index: int
+    cache: SnapshotCache
+    state: InstanceState
+    stats: InstanceStats
+    breaker: CircuitBreaker
+    prefill: PrefillThroughputEstimator
+    shadow: ShadowView | None = None
+    online: OnlineBatchTime | None = None
+    scope: anyio.CancelScope | None = None
+    draining: bool = False
+    inflight: int = 0
+    ttft_abs_err_sum: float = 0.0
+    ttft_rel_err_sum: float = 0.0
+    ttft_err_n: int = 0
+    # What the replay cannot see: the HTTP round trip to the engine, its request
+    # handling and token delivery. Learned from observed minus predicted TTFT.
+    overhead_s: float = 0.0
+    overhead_n: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+_BASELINE_ESTIMATORS: dict[str, LatencyEstimator] = {
+    "score": ScoreEstimator(),
+    "routebalance": RouteBalanceEstimator(),
+    "lmdeploy": LMDeployProxyEstimator(),
+    "semantic-router": SemanticRouterEstimator(),
+}
+
+
+def _prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
+    """The text the predictors read: a prompt, or the messages' contents joined."""
+    if isinstance(prompt, str):
+        return prompt
+    parts = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, Mapping) or "content" not in m:
+            raise BearError(f"messages[{i}] must be an object with a 'content' field (got {m!r})")
+        content = m["content"]
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):  # OpenAI content parts
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        elif content is not None:
+            raise BearError(
+                f"messages[{i}].content must be a string or a list of parts (got {content!r})"
+            )
+    return "\n".join(parts)
+
+
+@attrs.define
+class _PredictorLengths:
+    """BEA's length predictor for residents whose length the snapshot omits.
+
+    Residents' prompts are unknown to the router, so their length is the model's
+    mean predicted length (updated from the router's own predictions), or the
+    observed output plus a residual once a request has passed it.
+    """
+
+    mean: float = 256.0
+    residual: int = 64
+    _n: int = 0
+
+    def observe(self, predicted: float) -> None:
+        self._n = min(self._n + 1, 1000)
+        self.mean += (predicted - self.mean) / self._n
+
+    def predict_lengths(self, prompt_tokens: Any, output_tokens: Any) -> Any:
+        import numpy as np
+
+        return np.maximum(int(self.mean), output_tokens + self.residual).astype(np.int64)
+
+
+class AsyncRouter:
+    """Routes each request to the best instance of a heterogeneous vLLM pool.
+
+    Args:
+        pool: Instances (:class:`~bearsdk.router.InstanceConfig` values), or the
+            path of a TOML pool file.
+        policy: The selection policy (default :class:`~bearsdk.selectors.BEAR`).
+        predictor: Accuracy / length / cost predictor covering every instance's
+            model (default: the shipped Qwen3 placeholder).
+        targets: Rule giving a TTFT target to requests that carry none
+            (default: the paper's appendix A.2 rule).
+        staleness: How instances handle old snapshots (overlay, fast-forward,
+            fallback to LPS).
+        retries: Further instances tried when one fails before its first byte.
+        clock: Time source (seconds); wall time, as engines stamp snapshots.
+        session: An aiohttp session to reuse (default: the router's own).
+        hooks: Observability callbacks.
+        calibrate: Follow each engine's ``/bear/batches`` stream and keep its
+            batch-time coefficients calibrated online (engines without the
+            endpoint keep their profile).
+    """
+
+    def __init__(
+        self,
+        pool: Sequence[InstanceConfig] | str | Path,
+        policy: Selector | None = None,
+        *,
+        predictor: Predictor | None = None,
+        targets: TargetRule | None = None,
+        staleness: StalenessPolicy | None = None,
+        retries: int = 2,
+        clock: Callable[[], float] = time.time,
+        session: aiohttp.ClientSession | None = None,
+        hooks: RouterHooks | None = None,
+        calibrate: bool = True,
+    ) -> None:
+        configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
+        if not configs:
+            raise ConfigError("pool: needs at least one instance")
+        self.policy: Selector = policy if policy is not None else BEAR()
+        self.predictor = predictor if predictor is not None else Predictor.load_default()
+        self.targets: TargetRule = targets if targets is not None else PaperTargets()
+        self.staleness = staleness if staleness is not None else StalenessPolicy()
+        self.retries = retries
+        self.clock = clock
+        self.hooks = hooks if hooks is not None else RouterHooks()
+        self.calibrate = calibrate
+        self._own_session = session is None
+        self._session = session
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._instances: dict[str, _Instance] = {}
+        self._lengths: dict[str, _PredictorLengths] = {}
+        self._models = list(self.predictor.models)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        for cfg in configs:
+            self._add(cfg)
+
+    # ------------------------------------------------------------------ pool
+
+    def _add(self, cfg: InstanceConfig) -> _Instance:
+        if cfg.name in self._instances:
+            raise ConfigError(f"instance {cfg.name!r}: duplicate name")
+        try:
+            idx = self._models.index(cfg.model)
+        except ValueError:
+            raise ConfigError(
+                f"instance {cfg.name!r}: model {cfg.model!r} is not in the predictor's pool "
+                f"({', '.join(self._models)})"
+            ) from None
+        bt = cfg.batch_time_model()
+        lengths = self._lengths.setdefault(cfg.model, _PredictorLengths())
+        est = BEAEstimator(bind_policy(cfg.scheduler, cfg.params), bt, lengths)
+        cache = SnapshotCache(cfg.name, est, expect_instance=None, clock=self.clock)
+        state = InstanceState(cache, est, policy=self.staleness, name=cfg.name)
+        inst = _Instance(
+            config=cfg,
+            model_index=idx,
+            cache=cache,
+            state=state,
+            stats=InstanceStats(),
+            breaker=CircuitBreaker(),
+            prefill=PrefillThroughputEstimator(theta_pre=nominal_theta_pre(bt)),
+            # Unmodified vLLM: the router's own events, reconciled with /metrics.
+            shadow=(
+                ShadowView(cfg.name, clock=self.clock, prefill_tokens_per_s=nominal_theta_pre(bt))
+                if cfg.snapshots == "metrics"
+                else None
+            ),
+            online=OnlineBatchTime(bt) if self.calibrate else None,
+        )
+        self._instances[cfg.name] = inst
+        return inst
+
+    @property
+    def instances(self) -> list[str]:
+        """Names of the instances in the pool (draining ones included)."""
+        return list(self._instances)
+
+    def instance_config(self, name: str) -> InstanceConfig:
+        """The configuration of instance ``name``."""
+        return self._inst(name).config
+
+    def cache(self, name: str) -> SnapshotCache:
+        """The snapshot cache of instance ``name`` (read-only use)."""
+        return self._inst(name).cache
+
+    def _inst(self, name: str) -> _Instance:
+        try:
+            return self._instances[name]
+        except KeyError:
+            raise BearError(
+                f"instance {name!r} is not in the pool ({', '.join(self._instances)})"
+            ) from None
+
+    async def add_instance(self, cfg: InstanceConfig) -> None:
+        """Add an instance at run time; its snapshot source starts now."""
+        inst = self._add(cfg)
+        if self._tg is not None:
+            await self._tg.start(self._run_source, inst)
+
+    def drain_instance(self, name: str) -> None:
+        """Stop routing new requests to ``name``; requests in flight finish normally."""
+        self._inst(name).draining = True
+
+    def undrain_instance(self, name: str) -> None:
+        """Route to ``name`` again."""
+        self._inst(name).draining = False
+
+    def remove_instance(self, name: str) -> None:
+        """Remove ``name`` from the pool: no new requests, its source stops.
+
+        Streams in flight to it keep running until they end.
+        """
+        inst = self._instances.pop(self._inst(name).name)
+        if inst.scope is not None:
+            inst.scope.cancel()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> AsyncRouter:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            )
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            for inst in list(self._instances.values()):
+                await self._tg.start(self._run_source, inst)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run_source(
+        self, inst: _Instance, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        from bearsdk.io import MetricsSource, PollSource, PushSource, ShmSource, segment_path
+
+        cfg = inst.config
+        source: Any
+        if cfg.snapshots == "push":
+            source = PushSource(cfg.url, session=self._session, name=f"push:{cfg.name}")
+        elif cfg.snapshots == "poll":
+            source = PollSource(
+                cfg.url,
+                interval_s=cfg.poll_interval_s,
+                session=self._session,
+                name=f"poll:{cfg.name}",
+            )
+        elif cfg.snapshots == "shm":
+            source = ShmSource(cfg.shm_name or segment_path(cfg.name), name=f"shm:{cfg.name}")
+        else:
+            assert inst.shadow is not None
+            source = MetricsSource(
+                cfg.url,
+                inst.shadow,
+                interval_s=max(cfg.poll_interval_s, 0.2),
+                session=self._session,
+                name=f"metrics:{cfg.name}",
+            )
+        with anyio.CancelScope() as scope:
+            inst.scope = scope
+            if inst.online is None:
+                await source.run(inst.cache, task_status=task_status)
+                return
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._follow_batches, inst)
+                await source.run(inst.cache, task_status=task_status)
+
+    async def _follow_batches(self, inst: _Instance) -> None:
+        """Online recalibration from the engine's batch records (``GET /bear/batches``)."""
+        assert inst.online is not None
+        assert self._session is not None
+        url = inst.config.url + "/bear/batches"
+        failures = 0
+        while True:
+            try:
+                async with self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+                ) as resp:
+                    if resp.status == 404:
+                        log.info(
+                            "%s: no /bear/batches: keeping the profile's coefficients", inst.name
+                        )
+                        return
+                    resp.raise_for_status()
+                    failures = 0
+                    await self._consume_batches(inst, resp)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                failures += 1
+                log.debug("%s: batch stream: %s", inst.name, exc)
+            await anyio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
+
+    async def _consume_batches(self, inst: _Instance, resp: aiohttp.ClientResponse) -> None:
+        online = inst.online
+        assert online is not None
+        accepted = 0
+        async for line in resp.content:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                (obs,) = read_batches([line.decode("utf-8", "replace")])
+            except (BatchDataError, ValueError):
+                continue  # counted by the engine's format; never folded in
+            if online.observe_batch(obs):
+                accepted += 1
+                if accepted % 32 == 0:
+                    # Swapping the model swaps the coefficients the replay uses.
+                    inst.state.estimator.batch_time = online.model
+
+    # ------------------------------------------------------------------ routing
+
+    def _next_id(self) -> str:
+        return f"bear-{self._prefix}-{next(self._ids)}"
+
+    def decide(
+        self,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = None,
+        max_tokens: int | None = None,
+        request_id: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        """Choose an instance for a request (synchronous; no I/O).
+
+        Args:
+            prompt: A prompt, or chat messages.
+            ttft_target: The request's TTFT target in seconds (default: the
+                router's target rule).
+            max_tokens: The request's output cap.
+            request_id: Id to record (default: a fresh one).
+            exclude: Instances not to consider.
+
+        Returns:
+            The decision, with every candidate's predictions.
+
+        Raises:
+            NoInstanceError: No instance can take the request.
+        """
+        t0 = time.perf_counter()
+        now = self.clock()
+        pred = self.predictor.predict(_prompt_text(prompt), quantiles=False)
+        insts = [
+            i
+            for i in self._instances.values()
+            if not i.draining and i.name not in exclude and i.breaker.routable(now)
+        ]
+        if not insts:
+            raise NoInstanceError(
+                "no instance can take the request (all drained, removed or failing)"
+            )
+        prompt_tokens = int(pred.prompt_tokens[insts[0].model_index])
+        target = (
+            self.targets.target_for(prompt_tokens) if ttft_target is None else float(ttft_target)
+        )
+        options, extra = self._options(insts, pred, max_tokens, now)
+        sel = self.policy.select(options, target)
+        chosen = insts[sel.index]
+        cands = tuple(
+            Candidate(
+                instance=o.instance,
+                model=o.model,
+                accuracy=o.accuracy,
+                cost=o.cost,
+                utility=o.utility,
+                ttft_s=o.ttft_s,
+                feasible=None if sel.feasible is None else sel.feasible[i],
+                score=sel.scores[i],
+                estimator=extra[i][0],
+                snapshot_age_s=extra[i][1],
+                queue=o.queue,
+                prompt_tokens=extra[i][2],
+                output_tokens=extra[i][3],
+            )
+            for i, o in enumerate(options)
+        )
+        j = chosen.model_index
+        d = Decision(
+            request_id=request_id or self._next_id(),
+            policy=self.policy.name,
+            instance=chosen.name,
+            candidates=cands,
+            index=sel.index,
+            ttft_target_s=target,
+            reason=sel.reason,
+            prompt_tokens=int(pred.prompt_tokens[j]),
+            output_tokens=int(pred.output_tokens[j]),
+            decided_at=now,
+            decide_s=time.perf_counter() - t0,
+        )
+        for hook in self.hooks.on_decision:
+            hook(d)
+        return d
+
+    def _options(
+        self, insts: list[_Instance], pred: PoolPrediction, max_tokens: int | None, now: float
+    ) -> tuple[list[Option], list[tuple[str, float, int, int]]]:
+        lam = self.policy.lam
+        kind = self.policy.latency
+        options: list[Option] = []
+        extra: list[tuple[str, float, int, int]] = []
+        # Plain lists: indexing numpy arrays element by element costs more.
+        accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
+        ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
+        for inst in insts:
+            j = inst.model_index
+            acc = accs[j]
+            out = int(outs[j])
+            if max_tokens is not None:
+                out = min(out, max_tokens)
+            ptok = max(1, int(ptoks[j]))
+            cost = costs[j] * _MICRO
+            queue = inst.inflight
+            age = inst.cache.age(now)
+            if kind == "bea":
+                # The router's statistics only matter to the fallback estimator:
+                # summarise them only when the snapshot cannot be replayed.
+                view = self._view(inst, now) if age > self.staleness.fallback_after_s else None
+                e = inst.state.ttft(ptok, out, max_tokens, now=now, view=view)
+                ttft, est_name, age = e.ttft_s, "lps" if e.mode == "fallback" else e.mode, e.age_s
+                if est_name != "lps":
+                    ttft += inst.overhead_s
+            elif kind == "none":
+                ttft, est_name = math.nan, "none"
+            else:
+                est = inst.prefill if kind == "prefill-tps" else _BASELINE_ESTIMATORS[kind]
+                ttft = est.estimate_ttft(RequestInfo(ptok, out, max_tokens), self._view(inst, now))
+                est_name = kind
+            options.append(
+                Option(
+                    inst.name,
+                    inst.config.model,
+                    acc,
+                    cost,
+                    acc - lam * cost,
+                    ttft,
+                    queue,
+                    inst.inflight,
+                )
+            )
+            extra.append((est_name, age, ptok, out))
+        return options, extra
+
+    def _view(self, inst: _Instance, now: float) -> InstanceView:
+        entry = inst.cache.entry
+        return inst.stats.view(
+            now,
+            snapshot=None if entry is None else entry.snapshot,
+            snapshot_time=None if entry is None else entry.captured,
+            name=inst.name,
+        )
+
+    async def route(
+        self,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = None,
+        max_tokens: int | None = None,
+    ) -> Decision:
+        """Choose an instance for a request without dispatching it (see :meth:`decide`)."""
+        return self.decide(prompt, ttft_target=ttft_target, max_tokens=max_tokens)
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = None,
+        stream: bool = False,
+        timeout_s: float | None = None,
+        **params: Any,
+    ) -> ChatStream | dict[str, Any]:
+        """Route a chat request and send it (``/v1/chat/completions``).
+
+        Args:
+            messages: OpenAI chat messages.
+            ttft_target: TTFT target, seconds (default: the target rule).
+            stream: Stream the response: returns a :class:`ChatStream` yielding
+                the engine's chunks as they arrive.
+            timeout_s: This request's timeout, connect to last byte (default:
+                the instance's ``timeout_s``). Running out before the response
+                starts moves on to the next-best instance (the abandoned
+                connection is closed, so the engine aborts its copy); after,
+                it is a :class:`DispatchError`.
+            **params: Other OpenAI parameters (``max_tokens``, ``temperature``,
+                ``stop``...), passed through; ``model`` is set per instance.
+
+        Returns:
+            The stream, or the engine's JSON response.
+
+        Raises:
+            NoInstanceError: No instance can take it.
+            DispatchError: Every instance tried failed before answering.
+        """
+        body = dict(params)
+        body["messages"] = list(messages)
+        return await self._send(
+            "/v1/chat/completions", messages, body, ttft_target, stream, timeout_s
+        )
+
+    async def completions(
+        self,
+        prompt: str,
+        *,
+        ttft_target: float | None = None,
+        stream: bool = False,
+        timeout_s: float | None = None,
+        **params: Any,
+    ) -> ChatStream | dict[str, Any]:
+        """Route a completion request and send it (``/v1/completions``); as :meth:`chat`."""
+        body = dict(params)
+        body["prompt"] = prompt
+        return await self._send("/v1/completions", prompt, body, ttft_target, stream, timeout_s)
+
+    async def _send(
+        self,
+        path: str,
+        prompt: str | Sequence[Mapping[str, Any]],
+        body: dict[str, Any],
+        ttft_target: float | None,
+        stream: bool,
+        timeout_s: float | None = None,
+    ) -> ChatStream | dict[str, Any]:
+        if self._session is None:
+            raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise BearError(f"max_tokens must be a positive integer (got {max_tokens!r})")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise BearError(f"timeout_s must be a finite number > 0 (got {timeout_s!r})")
+        text = _prompt_text(prompt)
+        decision = self.decide(prompt, ttft_target=ttft_target, max_tokens=max_tokens)
+        order = self._fallback_order(decision)
+        caller_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        body["stream"] = stream
+        if stream:
+            # Usage feeds calibration; the caller sees it only if it asked.
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        attempts: list[tuple[str, str]] = []
+        for name in order:
+            inst = self._instances.get(name)
+            if inst is None or inst.draining:
+                continue
+            now = self.clock()
+            if not inst.breaker.allows(now):
+                continue
+            try:
+                resp, sent_at = await self._post(inst, path, body, decision, timeout_s)
+            except _Retryable as exc:
+                attempts.append((name, str(exc)))
+                self._failed(inst, decision, str(exc))
+                continue
+            if stream:
+                return ChatStream(self, inst, decision, resp, sent_at, caller_usage, text)
+            return await self._read_whole(inst, decision, resp, sent_at, text)
+        raise DispatchError(
+            f"request {decision.request_id}: every instance tried failed "
+            f"({'; '.join(f'{n}: {e}' for n, e in attempts) or 'none routable'})",
+            attempts,
+            decision,
+        )
+
+    def _fallback_order(self, d: Decision) -> list[str]:
+        """The chosen instance, then the next best by the policy's scores."""
+        rest = sorted(
+            (i for i in range(len(d.candidates)) if i != d.index),
+            key=lambda i: (
+                -d.candidates[i].score if not math.isnan(d.candidates[i].score) else math.inf
+            ),
+        )
+        return [d.instance, *(d.candidates[i].instance for i in rest[: self.retries])]
+
+    async def _post(
+        self,
+        inst: _Instance,
+        path: str,
+        body: dict[str, Any],
+        d: Decision,
+        timeout_s: float | None = None,
+    ) -> tuple[aiohttp.ClientResponse, float]:
+        assert self._session is not None
+        cfg = inst.config
+        total = cfg.timeout_s if timeout_s is None else timeout_s
+        body["model"] = cfg.engine_model
+        now = self.clock()
+        inst.breaker.on_send(now)
+        self._dispatched(inst, d, now)
+        try:
+            with anyio.fail_after(min(total, 30.0)):
+                resp = await self._session.post(
+                    cfg.url + path,
+                    data=orjson.dumps(body),
+                    headers={"Content-Type": "application/json", "X-Request-Id": d.request_id},
+                    timeout=aiohttp.ClientTimeout(total=total),
+                )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self._undispatched(inst, d)
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+        if resp.status >= 500:
+            text = (await resp.read())[:200].decode("utf-8", "replace")
+            resp.release()
+            self._undispatched(inst, d)
+            raise _Retryable(f"HTTP {resp.status}: {text}")
+        if resp.status >= 400:
+            # The request itself is bad: another instance would refuse it too.
+            text = await resp.text()
+            resp.release()
+            self._undispatched(inst, d)
+            inst.breaker.on_success()
+            raise EngineRequestError(resp.status, text, d)
+        return resp, now
+
+    async def _read_whole(
+        self, inst: _Instance, d: Decision, resp: aiohttp.ClientResponse, sent_at: float, text: str
+    ) -> dict[str, Any]:
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self._complete(inst, d, "error", None, text)
+            raise DispatchError(
+                f"request {d.request_id}: {inst.name}: {exc}", [(inst.name, str(exc))], d
+            ) from None
+        finally:
+            resp.release()
+        doc: dict[str, Any] = orjson.loads(raw)
+        now = self.clock()
+        self._first_token(inst, d, now - sent_at)
+        usage = doc.get("usage") or {}
+        self._complete(inst, d, "ok", usage, text)
+        return doc
+
+    # ------------------------------------------------------------------ feedback
+
+    def _dispatched(self, inst: _Instance, d: Decision, now: float) -> None:
+        c = next(c for c in d.candidates if c.instance == inst.name)
+        inst.inflight += 1
+        inst.state.on_dispatch(d.request_id, c.prompt_tokens, c.output_tokens, now=now)
+        if inst.shadow is not None:
+            inst.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
+        inst.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
+        self._lengths[inst.config.model].observe(c.output_tokens)
+
+    def _undispatched(self, inst: _Instance, d: Decision) -> None:
+        inst.inflight -= 1
+        now = self.clock()
+        inst.state.on_complete(d.request_id, now=now)
+        inst.stats.on_abort(d.request_id, now)
+        if inst.shadow is not None:
+            inst.shadow.on_complete(d.request_id)
+
+    def _failed(self, inst: _Instance, d: Decision, why: str) -> None:
+        inst.breaker.on_failure(self.clock())
+        log.warning("request %s: %s failed before answering: %s", d.request_id, inst.name, why)
+        for hook in self.hooks.on_failure:
+            hook(d, inst.name, why)
+
+    def _first_token(self, inst: _Instance, d: Decision, observed: float) -> None:
+        now = self.clock()
+        inst.breaker.on_success()
+        inst.state.on_tokens(d.request_id, 1)
+        inst.stats.on_first_token(d.request_id, now)
+        if inst.shadow is not None:
+            inst.shadow.on_tokens(d.request_id, 1)
+        if inst.name == d.instance:
+            pred = d.chosen.ttft_s
+            if math.isfinite(pred) and observed > 0:
+                inst.ttft_abs_err_sum += abs(pred - observed)
+                inst.ttft_rel_err_sum += abs(pred - observed) / observed
+                inst.ttft_err_n += 1
+                if d.chosen.estimator != "lps":
+                    # Running mean (then EWMA) of the residual the replay leaves;
+                    # clamped so one outlier (a stall) cannot poison it.
+                    residual = min(max(observed - (pred - inst.overhead_s), 0.0), 0.25)
+                    inst.overhead_n = min(inst.overhead_n + 1, 50)
+                    inst.overhead_s += (residual - inst.overhead_s) / inst.overhead_n
+        for hook in self.hooks.on_first_token:
+            hook(d, inst.name, observed)
+
+    def _complete(
+        self,
+        inst: _Instance,
+        d: Decision,
+        outcome: str,
+        usage: Mapping[str, Any] | None,
+        prompt_text: str,
+    ) -> None:
+        now = self.clock()
+        inst.inflight -= 1
+        inst.state.on_complete(d.request_id, now=now)
+        if inst.shadow is not None:
+            inst.shadow.on_complete(d.request_id)
+        out = None
+        if usage:
+            out = usage.get("completion_tokens")
+            ptok = usage.get("prompt_tokens")
+            if isinstance(ptok, int) and ptok > 0 and prompt_text:
+                # The engine's count teaches the predictor this model's tokens per char.
+                self.predictor.observe_usage(inst.config.model, prompt_text, ptok)
+        if outcome == "ok":
+            inst.stats.on_complete(
+                d.request_id, now, out if isinstance(out, int) and out > 0 else None
+            )
+        else:
+            inst.stats.on_abort(d.request_id, now)
+        for hook in self.hooks.on_complete:
+            hook(d, inst.name, outcome)
+
+    # ------------------------------------------------------------------ offline use
+
+    def record_dispatch(self, decision: Decision, instance: str | None = None) -> None:
+        """Tell the router a request was sent (when something else than :meth:`chat`
+        sends it: a simulator, or an application with its own HTTP client).
+
+        Args:
+            decision: The decision the request followed.
+            instance: Where it went (default: the decision's instance).
+        """
+        self._dispatched(self._inst(instance or decision.instance), decision, self.clock())
+
+    def record_first_token(self, decision: Decision, instance: str, ttft_s: float) -> None:
+        """Tell the router the request's first token arrived after ``ttft_s`` seconds."""
+        self._first_token(self._inst(instance), decision, ttft_s)
+
+    def record_complete(
+        self,
+        decision: Decision,
+        instance: str,
+        *,
+        outcome: str = "ok",
+        usage: Mapping[str, Any] | None = None,
+        prompt: str = "",
+    ) -> None:
+        """Tell the router the request ended (``"ok"``, ``"error"`` or ``"cancelled"``).
+
+        Args:
+            decision: Its decision.
+            instance: Where it ran.
+            outcome: How it ended.
+            usage: The engine's usage report, if any (teaches token counts).
+            prompt: Its prompt text (with ``usage``, teaches token counts).
+        """
+        if outcome not in ("ok", "error", "cancelled"):
+            raise BearError(f"outcome must be 'ok', 'error' or 'cancelled' (got {outcome!r})")
+        self._complete(self._inst(instance), decision, outcome, usage, prompt)
+
+    def inflight(self, name: str) -> int:
+        """Requests sent to ``name`` whose response has not ended (all finished: 0)."""
+        return self._inst(name).inflight
+
+    def overhead(self, name: str) -> float:
+        """The learned dispatch overhead added to ``name``'s replayed TTFTs (seconds)."""
+        return self._inst(name).overhead_s
+
+    def ttft_error(self, name: str) -> tuple[float, float, int]:
+        """``(MAE seconds, MAPE, n)`` of the router's TTFT predictions at ``name`` so far."""
+        inst = self._inst(name)
+        n = inst.ttft_err_n
+        if n == 0:
+            return (math.nan, math.nan, 0)
+        return (inst.ttft_abs_err_sum / n, inst.ttft_rel_err_sum / n, n)
+
+
+class _Retryable(Exception):
+    pass
+
+
+class EngineRequestError(BearError, RuntimeError):
+    """The engine refused the request (HTTP 4xx): it is not retried elsewhere.
+
+    Attributes:
+        status: The HTTP status.
+        body: The engine's error body.
+        decision: The routing decision.
+    """
+
+    def __init__(self, status: int, body: str, decision: Decision) -> None:
+        super().__init__(
+            f"request {decision.request_id}: {decision.instance} answered {status}: {body[:300]}"
+        )
+        self.status = status
+        self.body = body
+        self.decision = decision
+
+
+class ChatStream:
+    """A streamed response: the engine's chunks, as they arrive.
+
+    Iterate it (``async for chunk in stream``) for parsed chunk objects, or
+    :meth:`raw` for the SSE bytes as the engine sent them (proxies). Closing it
+    early (``await stream.aclose()``, or leaving ``async with``) closes the
+    connection, which aborts the request at the engine.
+
+    Attributes:
+        decision: The routing decision.
+        instance: The instance answering.
+        ttft_s: Observed time to the first chunk, once it arrived.
+        usage: The engine's usage report, once it arrived.
+    """
+
+    def __init__(
+        self,
+        router: AsyncRouter,
+        inst: _Instance,
+        decision: Decision,
+        resp: aiohttp.ClientResponse,
+        sent_at: float,
+        caller_usage: bool,
+        prompt_text: str = "",
+    ) -> None:
+        self._router = router
+        self._prompt_text = prompt_text
+        self._inst = inst
+        self.decision = decision
+        self.instance = inst.name
+        self._resp = resp
+        self._sent_at = sent_at
+        self._caller_usage = caller_usage
+        self.ttft_s: float | None = None
+        self.usage: dict[str, Any] | None = None
+        self._tokens = 0
+        self._done = False
+        self._eof = False
+        self._buf = b""
+        # Parsed-out ``data:`` payloads not yet handed over. The stream is its own
+        # iterator (no async-generator layers): a chunk costs a few microseconds.
+        self._ready: deque[bytes] = deque()
+
+    async def __aenter__(self) -> ChatStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop reading; the engine aborts the request when the connection closes."""
+        if not self._done:
+            self._finish("cancelled")
+        self._eof = True
+        self._resp.close()
+
+    def _finish(self, outcome: str) -> None:
+        if not self._done:
+            self._done = True
+            self._router._complete(
+                self._inst, self.decision, outcome, self.usage, self._prompt_text
+            )
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while True:
+            data = await self._next_data()
+            if data is None:
+                raise StopAsyncIteration
+            doc: dict[str, Any] = orjson.loads(data)
+            if not self._caller_usage and not doc.get("choices") and doc.get("usage") is not None:
+                continue  # the usage chunk the router asked for on its own behalf
+            return doc
+
+    async def raw(self) -> AsyncIterator[bytes]:
+        """The SSE events as the engine sent them (``data: ...\\n\\n``)."""
+        while True:
+            data = await self._next_data()
+            if data is None:
+                break
+            if not self._caller_usage and data.startswith(b"{") and b'"choices":[]' in data:
+                continue
+            yield b"data: " + data + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def _next_data(self) -> bytes | None:
+        """The next ``data:`` payload, or ``None`` at the end of the stream."""
+        while not self._ready:
+            if self._eof:
+                return None
+            try:
+                piece = await self._resp.content.readany()
+            except (aiohttp.ClientError, OSError) as exc:
+                self._eof = True
+                self._finish("error")
+                self._resp.release()
+                raise DispatchError(
+                    f"request {self.decision.request_id}: stream from {self.instance} broke: {exc}",
+                    [(self.instance, str(exc))],
+                    self.decision,
+                ) from None
+            except BaseException:
+                # Cancelled while waiting: the caller gave up on the request.
+                self._eof = True
+                self._finish("cancelled")
+                self._resp.close()
+                raise
+            if not piece:  # the engine closed the stream without [DONE]
+                self._end()
+                return None
+            self._parse(piece)
+        return self._ready.popleft()
+
+    def _parse(self, piece: bytes) -> None:
+        buf = self._buf + piece
+        start = 0
+        while True:
+            cut = buf.find(b"\n\n", start)
+            if cut < 0:
+                break
+            for line in buf[start:cut].split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    self._buf = b""
+                    self._end()
+                    return
+                self._observe(data)
+                self._ready.append(data)
+            start = cut + 2
+        self._buf = buf[start:]
+
+    def _end(self) -> None:
+        self._eof = True
+        self._finish("ok")
+        self._resp.release()
+
+    def _observe(self, data: bytes) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = self._router.clock() - self._sent_at
+            self._router._first_token(self._inst, self.decision, self.ttft_s)
+        if b'"usage":{' in data:
+            doc = orjson.loads(data)
+            if doc.get("usage"):
+                self.usage = doc["usage"]
+        self._tokens += 1

@@ -1,0 +1,135 @@
+"""What a selection policy sees and returns.
+
+For one request the router builds an :class:`Option` per routable instance —
+predicted accuracy and cost (eq. 4's utility), the TTFT estimate of the latency
+estimator the policy asks for, and the load figures baselines use — and asks
+the policy to pick one. Policies are plain objects implementing
+:class:`Selector`; users plug their own in without touching the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+__all__ = ["LATENCY_KINDS", "Option", "Selection", "Selector"]
+
+LATENCY_KINDS = (
+    "bea",  # replay (eq. 9-12), LPS fallback when the snapshot is missing or stale
+    "prefill-tps",  # eq. 8
+    "score",
+    "routebalance",
+    "lmdeploy",
+    "semantic-router",
+    "none",
+)
+"""The TTFT estimates a policy can ask the router for (``Selector.latency``)."""
+
+
+class Option:
+    """One instance, as a policy sees it for one request (built per request; slots).
+
+    Attributes:
+        instance: Instance name.
+        model: Model the instance serves.
+        accuracy: Predicted accuracy in [0, 1].
+        cost: Predicted cost of the request at this instance, in micro-dollars
+            (prompt tokens x input price + output tokens x output price, prices
+            in USD per million tokens: the unit the paper's ``lam = 5e-4`` is for).
+        utility: ``accuracy - lam * cost`` (eq. 4).
+        ttft_s: The estimate of the policy's latency estimator (``nan`` when it
+            asked for none; ``inf`` when the request could never be served).
+        queue: Requests the router counts as resident there (running + waiting).
+        unfinished: Requests the router dispatched there and not seen finish.
+        throughput_rps: Measured completions per second (``nan`` when unknown).
+    """
+
+    __slots__ = (
+        "accuracy",
+        "cost",
+        "instance",
+        "model",
+        "queue",
+        "throughput_rps",
+        "ttft_s",
+        "unfinished",
+        "utility",
+    )
+
+    def __init__(
+        self,
+        instance: str,
+        model: str,
+        accuracy: float,
+        cost: float,
+        utility: float,
+        ttft_s: float = float("nan"),
+        queue: int = 0,
+        unfinished: int = 0,
+        throughput_rps: float = float("nan"),
+    ) -> None:
+        self.instance = instance
+        self.model = model
+        self.accuracy = accuracy
+        self.cost = cost
+        self.utility = utility
+        self.ttft_s = ttft_s
+        self.queue = queue
+        self.unfinished = unfinished
+        self.throughput_rps = throughput_rps
+
+    def __repr__(self) -> str:
+        return (
+            f"Option({self.instance!r}, acc={self.accuracy:.3f}, cost={self.cost:.1f}, "
+            f"u={self.utility:.3f}, ttft={self.ttft_s:.4f}, queue={self.queue})"
+        )
+
+
+@attrs.frozen
+class Selection:
+    """A policy's answer.
+
+    Attributes:
+        index: Index of the chosen option.
+        scores: What the policy maximised, per option (same order).
+        feasible: Per option, whether it was predicted to meet the TTFT target
+            (``None`` for policies that do not use targets).
+        reason: Why, in a few words (``"best utility among feasible"``...).
+    """
+
+    index: int
+    scores: tuple[float, ...]
+    feasible: tuple[bool, ...] | None
+    reason: str
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """A selection policy.
+
+    Attributes:
+        name: Name shown in decisions and metrics.
+        latency: Which TTFT estimate it needs (one of :data:`LATENCY_KINDS`).
+        lam: The cost weight of eq. 4's utility (``accuracy - lam * cost``).
+    """
+
+    @property
+    def name(self) -> str:
+        """Name shown in decisions and metrics."""
+        ...
+
+    @property
+    def latency(self) -> str:
+        """Which TTFT estimate it needs (one of :data:`LATENCY_KINDS`)."""
+        ...
+
+    @property
+    def lam(self) -> float:
+        """The cost weight of the utility."""
+        ...
+
+    def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
+        """Pick one option for a request with the given TTFT target (seconds)."""
+        ...

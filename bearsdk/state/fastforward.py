@@ -1,0 +1,194 @@
+"""Fast-forward: advance a stale snapshot to "now" by replaying the elapsed time.
+
+An old snapshot shows requests that have since made progress, finished, or been
+joined by new arrivals. :class:`FastForward` rebuilds the instance's scheduler
+(:class:`~bearsdk.replay.SchedulerCore`, the pure-Python twin of the replay)
+from the snapshot, with output lengths predicted where unknown, and runs it in
+virtual time with the instance's eq. 12 batch-time model, adding this router's
+own dispatches as arrivals at their dispatch times. :meth:`FastForward.at`
+returns the state at a given time as a snapshot that BEA replays as usual.
+
+It is incremental: each call only simulates the time since the previous one, so
+many estimates between two snapshots cost about what the engine itself ran.
+
+Timing follows the replay's own convention (``BEAEstimator``: a snapshot's
+TTFT is the remaining time of the batch in flight plus the replayed batches):
+the batch executing at time ``t`` is scheduled, and the snapshot at ``t`` reports
+its remaining time as ``inflight.remaining_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.length import resolve_output_lengths
+from bearsdk.replay import SchedulerCore
+from bearsdk.replay._replay_py import Replayer as PyReplayer
+from bearsdk.snapshot import NCOLS, STATE_RUNNING, STATE_WAITING, Snapshot
+from bearsdk.state.overlay import Dispatch
+
+__all__ = ["FastForward"]
+
+
+def _table(doc: dict[str, Any]) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
+    ids = []
+    rows = []
+    for r in doc["requests"]:
+        ids.append(r["id"])
+        rows.append(
+            [
+                STATE_RUNNING if r["state"] == "running" else STATE_WAITING,
+                r["prompt_tokens"],
+                r["computed_tokens"],
+                r["output_tokens"],
+                r.get("max_tokens", -1),
+                r.get("output_len", -1),
+                r.get("placeholders", 0),
+            ]
+        )
+    return tuple(ids), np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+
+
+@attrs.define
+class FastForward:
+    """A live virtual copy of one instance, started from one snapshot.
+
+    Args:
+        snapshot: The starting snapshot.
+        estimator: The instance's estimator (policy, batch-time model, length predictor).
+        captured: The snapshot's capture time on the caller's clock.
+        max_batches: Stop simulating after this many batches in total.
+
+    Raises:
+        ValueError: The snapshot cannot be replayed under the estimator's policy.
+    """
+
+    snapshot: Snapshot
+    estimator: BEAEstimator
+    captured: float
+    max_batches: int = 1_000_000
+    _core: SchedulerCore = attrs.field(init=False)
+    _depth: int = attrs.field(init=False)
+    _t: float = attrs.field(init=False)  # end of the last scheduled batch (offset from capture)
+    _idle: bool = attrs.field(init=False, default=False)
+    _added: set[str] = attrs.field(init=False, factory=set)
+    _batches: int = attrs.field(init=False, default=0)
+    _queue: list[Dispatch] = attrs.field(init=False, factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        snap = self.snapshot
+        est = self.estimator
+        pol = est.policy
+        free = -1
+        if snap.kv is not None:
+            pol = pol.with_kv(snap.kv.block_size, snap.kv.num_blocks)
+            free = snap.kv.free_blocks
+        rp = PyReplayer(pol)
+        table = resolve_output_lengths(snap.table, est.length_predictor)
+        prepared = rp.prepare(table, free, snap.ids)
+        # SchedulerCore has no public constructor from prepared state yet; this
+        # is the one the replay itself uses.
+        core = SchedulerCore._from_prepared(rp, prepared, False, est.batch_time.coeffs)
+        core.requests = {r.rid: r for r in (*core.running, *core.waiting)}
+        self._core = core
+        self._depth = 2 if pol.async_scheduling else 1
+        self._t = snap.inflight_remaining_s or 0.0
+        self._added = set(snap.ids)
+
+    @property
+    def simulated_batches(self) -> int:
+        """Batches simulated so far (the cost of fast-forwarding)."""
+        return self._batches
+
+    def complete(self, rid: str) -> None:
+        """The router saw ``rid`` finish: remove it from the virtual engine if resident."""
+        self._added.add(rid)
+        self._queue = [d for d in self._queue if d.rid != rid]
+        self._core.abort_request(rid)
+
+    def _arrive(self, upto: float) -> None:
+        while self._queue and self._queue[0].time - self.captured <= upto:
+            d = self._queue.pop(0)
+            out = d.output_len
+            if out is None:
+                pred = self.estimator.length_predictor.predict_lengths(
+                    np.array([d.prompt_tokens], dtype=np.int64), np.zeros(1, dtype=np.int64)
+                )
+                out = max(1, int(pred[0]))
+            if d.max_tokens is not None:
+                out = min(out, d.max_tokens)
+            self._core.add_request(d.rid, d.prompt_tokens, max(1, out), d.max_tokens)
+
+    def advance(self, now: float, arrivals: list[Dispatch]) -> None:
+        """Simulate up to ``now``, adding ``arrivals`` (in dispatch order) as they come.
+
+        Args:
+            now: The caller's clock.
+            arrivals: Dispatches the snapshot does not show; ones already added
+                are skipped, so the full list can be passed on every call.
+        """
+        for d in arrivals:
+            if d.rid not in self._added:
+                self._added.add(d.rid)
+                self._queue.append(d)
+        to = now - self.captured
+        core = self._core
+        while self._t <= to:
+            if self._idle:
+                # An idle engine wakes up at the next arrival.
+                if not self._queue or self._queue[0].time - self.captured > to:
+                    self._t = to
+                    break
+                self._t = max(self._t, self._queue[0].time - self.captured)
+                self._idle = False
+            self._arrive(self._t)
+            batch = core.schedule()
+            dt = 0.0
+            if batch:
+                dt = core.account(batch)
+                self._batches += 1
+            elif all(q.inert() for q in core.queue):
+                self._idle = True
+                continue
+            core.queue.append(batch)
+            if len(core.queue) >= self._depth:
+                core.process(core.queue.popleft())
+            self._t += dt
+            if self._batches >= self.max_batches:
+                break  # guards a zero-cost batch model; the snapshot is then approximate
+        self._arrive(to)
+
+    def at(self, now: float) -> Snapshot:
+        """The instance's state at ``now`` (call :meth:`advance` first) as a snapshot."""
+        to = now - self.captured
+        remaining = self._t - to if (not self._idle and self._t > to) else 0.0
+        snap = self.snapshot
+        doc = self._core.snapshot(
+            instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
+        )
+        ids, table = _table(doc)
+        return Snapshot(
+            instance=snap.instance,
+            seq=snap.seq,
+            time=snap.time + max(0.0, to),
+            kv=snap.kv if snap.kv is None else attrs.evolve(snap.kv, free_blocks=self._core.free),
+            ids=ids,
+            table=table,
+            inflight_remaining_s=remaining if remaining > 0 else None,
+            epoch=snap.epoch,
+        )
+
+    def elapsed(self, now: float) -> float:
+        """Seconds of engine time simulated by ``now``."""
+        return max(0.0, min(self._t, now - self.captured))
+
+    @staticmethod
+    def worthwhile(age: float, threshold: float | None) -> bool:
+        """Whether a snapshot of ``age`` seconds is old enough to fast-forward."""
+        return threshold is not None and math.isfinite(age) and age > threshold

@@ -1,0 +1,342 @@
+"""One instance's TTFT estimator over its snapshot cache, with staleness handled.
+
+:class:`InstanceState` is what a router asks for a TTFT at one instance. It reads
+the instance's :class:`~bearsdk.state.cache.SnapshotCache` and, depending on the
+snapshot's age (:class:`StalenessPolicy`):
+
+* **fresh**: BEA replays the cached prepared snapshot (nothing is prepared on
+  this path);
+* **overlay**: this router's dispatches the snapshot cannot show yet join its
+  waiting queue, in order, so back-to-back decisions see each other;
+* **fast-forward**: a snapshot older than ``fast_forward_after_s`` is first
+  advanced to now (:class:`~bearsdk.state.fastforward.FastForward`), the
+  dispatches arriving at their dispatch times;
+* **fallback**: with no snapshot, or one older than ``fallback_after_s``, the
+  fallback estimator (LPS by default) answers, until fresh snapshots return.
+
+Derived views (overlay, fast-forward) are prepared once and reused until the
+snapshot, the set of pending dispatches, or (fast-forward) the time quantum
+``refresh_s`` changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any, Final
+
+import attrs
+
+from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
+from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
+from bearsdk.state.cache import CachedSnapshot, SnapshotCache
+from bearsdk.state.fastforward import FastForward
+from bearsdk.state.overlay import Dispatch, DispatchOverlay
+
+__all__ = ["Estimate", "InstanceState", "StalenessPolicy"]
+
+log = logging.getLogger("bearsdk.state")
+
+MODES: Final = ("bea", "overlay", "fast-forward", "fallback", "none")
+
+
+def _optional_age(inst: object, att: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and (math.isnan(value) or value < 0):
+        raise ValueError(f"{att.name} must be a number >= 0 or None (got {value!r})")
+
+
+def _age(inst: object, att: attrs.Attribute[float], value: float) -> None:
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{att.name} must be a number >= 0 (inf: never) (got {value!r})")
+
+
+def _default_fallback() -> LatencyEstimator:
+    from bearsdk.estimators.lps import LPSEstimator
+
+    return LPSEstimator()
+
+
+@attrs.frozen
+class StalenessPolicy:
+    """How an instance's estimates handle snapshot age.
+
+    Attributes:
+        overlay: Add this router's not-yet-visible dispatches to the view.
+        fast_forward_after_s: Advance snapshots older than this to now, once
+            the batch in flight at their capture has completed (``None``: never;
+            younger snapshots only have the age deducted from that batch's
+            remaining time, which is exact while it runs).
+        fallback_after_s: Use the fallback estimator for snapshots older than
+            this (``inf``: never).
+        refresh_s: A fast-forwarded view is reused for estimates within this
+            much time of each other.
+        overlay_grace_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
+        overlay_expire_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
+    """
+
+    overlay: bool = True
+    fast_forward_after_s: float | None = attrs.field(default=0.01, validator=_optional_age)
+    fallback_after_s: float = attrs.field(default=2.0, validator=_age)
+    refresh_s: float = attrs.field(default=0.002, validator=_age)
+    overlay_grace_s: float = attrs.field(default=0.05, validator=_age)
+    overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
+
+    @classmethod
+    def paper(cls) -> StalenessPolicy:
+        """BEA as the paper runs it: the cached snapshot as it is, whatever its age."""
+        return cls(overlay=False, fast_forward_after_s=None, fallback_after_s=math.inf)
+
+
+@attrs.frozen
+class Estimate:
+    """A TTFT estimate and how it was made.
+
+    Attributes:
+        ttft_s: Predicted time to first token, seconds.
+        mode: ``"bea"``, ``"overlay"``, ``"fast-forward"``, ``"fallback"``, or
+            ``"none"`` (no snapshot and no fallback: ``inf``).
+        age_s: Age of the snapshot used (``inf`` when none).
+        pending: This router's dispatches added to the snapshot's view.
+    """
+
+    ttft_s: float
+    mode: str
+    age_s: float
+    pending: int = 0
+
+
+@attrs.define
+class InstanceState:
+    """TTFT estimates for one instance from its snapshot cache.
+
+    Args:
+        cache: The instance's cache (its estimator is set to ``estimator`` if unset).
+        estimator: The instance's BEA estimator.
+        fallback: Answers without a usable snapshot (default: LPS); ``None``:
+            replay even a snapshot past ``fallback_after_s``, ``inf`` without one.
+        policy: Staleness handling.
+        name: Instance name (default: the cache's).
+    """
+
+    cache: SnapshotCache
+    estimator: BEAEstimator
+    fallback: LatencyEstimator | None = attrs.field(factory=_default_fallback)
+    policy: StalenessPolicy = attrs.field(factory=StalenessPolicy)
+    name: str = ""
+    _overlay: DispatchOverlay = attrs.field(init=False)
+    _reconciled: int = attrs.field(init=False, default=-1)
+    _completed: deque[tuple[str, float]] = attrs.field(
+        init=False, factory=lambda: deque(maxlen=256)
+    )
+    _ff: FastForward | None = attrs.field(init=False, default=None)
+    _ff_version: int = attrs.field(init=False, default=-1)
+    _view_key: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
+    _view_at: float = attrs.field(init=False, default=-math.inf)
+    _view: PreparedSnapshot | None = attrs.field(init=False, default=None)
+    _view_pending: int = attrs.field(init=False, default=0)
+    _mode: str = attrs.field(init=False, default="none")
+    _switches: int = attrs.field(init=False, default=0)
+    _ff_errors: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if self.cache.estimator is None:
+            self.cache.estimator = self.estimator
+        elif self.cache.estimator is not self.estimator:
+            raise ValueError("cache.estimator must be this instance's estimator (or unset)")
+        self.name = self.name or self.cache.instance
+        p = self.policy
+        self._overlay = DispatchOverlay(grace_s=p.overlay_grace_s, expire_s=p.overlay_expire_s)
+
+    # ------------------------------------------------------------------ events
+
+    @property
+    def overlay(self) -> DispatchOverlay:
+        """This router's dispatches not yet visible in a snapshot."""
+        return self._overlay
+
+    @property
+    def mode(self) -> str:
+        """The mode of the latest estimate."""
+        return self._mode
+
+    @property
+    def switches(self) -> int:
+        """Switches between replay and fallback so far."""
+        return self._switches
+
+    @property
+    def fast_forward_errors(self) -> int:
+        """Fast-forwards that failed (the snapshot was then replayed as it is)."""
+        return self._ff_errors
+
+    def on_dispatch(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        output_len: int | None = None,
+        max_tokens: int | None = None,
+        *,
+        now: float | None = None,
+    ) -> None:
+        """The router sent request ``rid`` to this instance.
+
+        Args:
+            rid: The router's request id.
+            prompt_tokens: Prompt length.
+            output_len: Predicted output length (``None``: the estimator predicts).
+            max_tokens: The request's output cap.
+            now: Dispatch time (default: the cache clock).
+        """
+        t = self.cache.clock() if now is None else now
+        self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens))
+
+    def on_tokens(self, rid: str, output_tokens: int) -> None:
+        """The router has received ``output_tokens`` tokens of ``rid`` so far (1: first token).
+
+        A dispatch the snapshot cannot show yet then counts as running, with its
+        prompt computed, rather than as waiting.
+        """
+        self._overlay.progress(rid, output_tokens)
+
+    def on_complete(self, rid: str, *, now: float | None = None) -> None:
+        """The router saw ``rid`` finish (or fail): it no longer loads the instance."""
+        t = self.cache.clock() if now is None else now
+        self._overlay.discard(rid)
+        self._completed.append((rid, t))
+        if self._ff is not None:
+            self._ff.complete(rid)
+            self._view_key = None
+
+    # ------------------------------------------------------------------ estimates
+
+    def estimate_ttft(self, request: RequestInfo, view: InstanceView) -> float:
+        """:class:`~bearsdk.estimators.base.LatencyEstimator`: the TTFT at this instance.
+
+        ``view`` feeds the fallback; the snapshot comes from the cache (its
+        clock is used, not ``view.now``).
+        """
+        return self.ttft(
+            request.prompt_tokens, request.output_tokens, request.max_tokens, view=view
+        ).ttft_s
+
+    def ttft(
+        self,
+        prompt_tokens: int,
+        output_len: int | None = None,
+        max_tokens: int | None = None,
+        *,
+        now: float | None = None,
+        view: InstanceView | None = None,
+    ) -> Estimate:
+        """Predict the TTFT of a new request sent to this instance now.
+
+        Args:
+            prompt_tokens: Its prompt length.
+            output_len: Its output length if known; else predicted.
+            max_tokens: Its output cap.
+            now: The time of the decision (default: the cache clock).
+            view: What the router knows of the instance, for the fallback.
+
+        Returns:
+            The estimate and how it was made.
+        """
+        now = self.cache.clock() if now is None else now
+        entry = self.cache.entry
+        age = math.inf if entry is None else entry.age(now)
+        if entry is None or (age > self.policy.fallback_after_s and self.fallback is not None):
+            if self.fallback is None:
+                return self._set(Estimate(math.inf, "none", age), now)
+            v = view if view is not None else InstanceView(name=self.name, now=now)
+            req = RequestInfo(prompt_tokens, output_len, max_tokens)
+            return self._set(Estimate(self.fallback.estimate_ttft(req, v), "fallback", age), now)
+        prep, mode, pending, elapsed = self._prepared(entry, now, age)
+        if output_len is None:
+            t = self.estimator.estimate(prep, prompt_tokens, None, max_tokens=max_tokens).ttft_s
+        else:
+            t = self.estimator.ttft(prep, prompt_tokens, output_len, max_tokens)
+        return self._set(Estimate(t - elapsed, mode, age, pending), now)
+
+    def _set(self, e: Estimate, now: float) -> Estimate:
+        was_fallback = self._mode in ("fallback", "none")
+        is_fallback = e.mode in ("fallback", "none")
+        if was_fallback != is_fallback and self._mode != "none":
+            self._switches += 1
+            log.info(
+                "%s: %s (snapshot age %.3f s)",
+                self.name,
+                "snapshots stale or missing: using the fallback estimator"
+                if is_fallback
+                else "fresh snapshots again: replaying them",
+                e.age_s,
+            )
+        elif self._mode == "none" and is_fallback and e.mode == "fallback":
+            log.info("%s: no snapshot yet: using the fallback estimator", self.name)
+        self._mode = e.mode
+        return e
+
+    def _prepared(
+        self, entry: CachedSnapshot, now: float, age: float
+    ) -> tuple[PreparedSnapshot, str, int, float]:
+        """The view to replay, its mode, the dispatches added, and the time to deduct."""
+        ov = self._overlay
+        if entry.version != self._reconciled:
+            self._reconciled = entry.version
+            ov.reconcile(entry.snapshot, entry.captured)
+        base = entry.prepared
+        if base is None:  # the cache had no estimator when it accepted this one
+            base = self.estimator.prepare(entry.snapshot)
+        pending = ov.unseen(entry.captured) if self.policy.overlay else []
+        threshold = self.policy.fast_forward_after_s
+        elapsed = 0.0
+        # An idle instance (nothing resident, nothing sent since) stays as it was:
+        # fast-forwarding its snapshot would only cost time.
+        if threshold is not None and (len(entry.snapshot) or pending):
+            inflight = entry.snapshot.inflight_remaining_s or 0.0
+            if age >= inflight and FastForward.worthwhile(age, threshold):
+                prep = self._forwarded(entry, now, pending)
+                if prep is not None:
+                    return prep, "fast-forward", self._view_pending, 0.0
+            # While the batch in flight at capture runs, the replay's batches are
+            # unchanged and start that much sooner: deduct the age, exactly.
+            elapsed = min(age, inflight)
+        if not pending:
+            return base, "bea", 0, elapsed
+        key = (entry.version, ov.version, False)
+        if self._view_key != key or self._view is None:
+            snap = DispatchOverlay.apply(entry.snapshot, pending)
+            self._view = self.estimator.prepare(snap)
+            self._view_key = key
+            self._view_pending = len(pending)
+        return self._view, "overlay", self._view_pending, elapsed
+
+    def _forwarded(
+        self, entry: CachedSnapshot, now: float, pending: list[Dispatch]
+    ) -> PreparedSnapshot | None:
+        key = (entry.version, self._overlay.version, True)
+        if (
+            self._view is not None
+            and self._view_key == key
+            and 0.0 <= now - self._view_at <= self.policy.refresh_s
+        ):
+            return self._view
+        try:
+            if self._ff is None or self._ff_version != entry.version:
+                self._ff = FastForward(entry.snapshot, self.estimator, entry.captured)
+                self._ff_version = entry.version
+                for rid, t in self._completed:
+                    if t >= entry.captured:
+                        self._ff.complete(rid)
+            self._ff.advance(now, pending)
+            snap = self._ff.at(now)
+            self._view = self.estimator.prepare(snap)
+        except (ValueError, RecursionError) as exc:
+            # A state the scheduler twin rejects: estimate from the snapshot as it is.
+            self._ff_errors += 1
+            log.warning("%s: fast-forward failed (%s); using the snapshot as it is", self.name, exc)
+            self._ff = None
+            return None
+        self._view_key = key
+        self._view_at = now
+        self._view_pending = len(pending)
+        return self._view

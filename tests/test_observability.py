@@ -1,0 +1,73 @@
+"""Router observability: Prometheus metrics and structured decision logs."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import pytest
+
+from bearsdk.emulator import EnginePool
+from bearsdk.router import AsyncRouter, DecisionLog, InstanceConfig, PrometheusMetrics
+from bearsdk.selectors import BEAR
+
+prom = pytest.importorskip("prometheus_client")
+
+MSG = [{"role": "user", "content": "Name three rivers."}]
+
+
+async def test_metrics_and_logs_follow_requests(caplog: pytest.LogCaptureFixture) -> None:
+    registry = prom.CollectorRegistry()
+    async with EnginePool.of("qwen3-0.6b-h100", "qwen3-8b-h100") as pool:
+        cfgs = [
+            InstanceConfig(name=e.instance, url=e.url, model=e.model_name, profile=e.config.profile)
+            for e in pool
+        ]
+        async with AsyncRouter(cfgs, BEAR(), retries=1) as router:
+            metrics = PrometheusMetrics(registry).attach(router)
+            assert isinstance(metrics, PrometheusMetrics)
+            DecisionLog().attach(router)
+            first = (await router.route(MSG, ttft_target=5.0)).instance
+            next(e for e in pool if e.instance == first).faults.fail_next(1, status=503)
+            with caplog.at_level(logging.INFO, logger="bearsdk.decisions"):
+                for _ in range(3):
+                    stream = await router.chat(MSG, stream=True, max_tokens=4, ttft_target=5.0)
+                    async for _chunk in stream:  # type: ignore[union-attr]
+                        pass
+
+    def value(name: str, **labels: str) -> float:
+        v = registry.get_sample_value(f"bearsdk_{name}", labels)
+        return 0.0 if v is None else v
+
+    other = next(e.instance for e in pool if e.instance != first)
+    # 1 route() + 3 chat() decisions, all for `first` (BEAR with a 5 s target: best utility)
+    assert sum(
+        value("decisions_total", instance=first, policy="bear", estimator=e)
+        for e in ("bea", "overlay", "fast-forward", "lps", "none")
+    ) == pytest.approx(4)
+    assert value("dispatch_failures_total", instance=first) == 1
+    # the failed attempt went on to the other instance; the two others were served by `first`
+    assert value("requests_total", instance=other, outcome="ok") == 1
+    assert value("requests_total", instance=first, outcome="ok") == 2
+    assert value("slo_total", instance=first, outcome="met") == 2
+    assert value("ttft_seconds_count", instance=first) == 2
+    assert value("decision_seconds_count") == 4
+    assert value("ttft_abs_relative_error_count", instance=first) == 2
+
+    docs = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "bearsdk.decisions"]
+    events = [d["event"] for d in docs]
+    assert events.count("decision") == 3
+    assert events.count("failure") == 1
+    assert events.count("first_token") == 3
+    assert events.count("complete") == 3
+    decision = next(d for d in docs if d["event"] == "decision")
+    assert {c["instance"] for c in decision["candidates"]} == {first, other}
+    assert all(getattr(r, "bearsdk", None) for r in caplog.records if r.name == "bearsdk.decisions")
+
+
+def test_metrics_without_prometheus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(Exception, match=r"pip install 'bearsdk\[metrics\]'"):
+        PrometheusMetrics()

@@ -1,0 +1,126 @@
+"""Every selection policy against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bearsdk.selectors import (
+    BEAR,
+    SELECTORS,
+    Lagrangian,
+    LatencyAgnostic,
+    LMDeployProxy,
+    Option,
+    PrefillTPS,
+    RoundRobin,
+    RouteBalance,
+    Score,
+    Selector,
+    SelectorError,
+    SemanticRouter,
+    ShortestQueue,
+    make_selector,
+)
+
+LAM = 5e-4
+
+
+def opts(*rows: tuple[str, float, float, float, int]) -> list[Option]:
+    """(instance, accuracy, cost, ttft, queue) -> options with eq. 4 utilities."""
+    return [Option(n, n, a, c, a - LAM * c, ttft_s=t, queue=q) for n, a, c, t, q in rows]
+
+
+POOL = opts(
+    ("small", 0.50, 10.0, 0.10, 9),  # utility 0.495
+    ("mid", 0.70, 100.0, 0.35, 3),  # utility 0.65
+    ("large", 0.90, 400.0, 0.80, 5),  # utility 0.70
+)
+
+
+def test_bear_picks_best_utility_among_feasible() -> None:
+    s = BEAR(lam=LAM).select(POOL, 0.4)
+    assert s.index == 1
+    assert s.feasible == (True, True, False)
+    assert s.scores == pytest.approx((0.495, 0.65, 0.70))
+    assert BEAR().select(POOL, 1.0).index == 2  # all feasible: the best utility
+    assert BEAR().select(POOL, 0.2).index == 0
+
+
+def test_bear_falls_back_to_lowest_ttft() -> None:
+    s = BEAR().select(POOL, 0.05)
+    assert s.index == 0
+    assert s.feasible == (False, False, False)
+    assert "lowest predicted TTFT" in s.reason
+    never = opts(("a", 0.9, 1.0, math.inf, 0), ("b", 0.1, 1.0, 5.0, 0))
+    assert BEAR().select(never, 0.1).index == 1
+
+
+def test_prefill_tps_uses_bear_rule_with_its_own_estimates() -> None:
+    assert PrefillTPS().latency == "prefill-tps"
+    assert PrefillTPS().select(POOL, 0.4).index == BEAR().select(POOL, 0.4).index
+
+
+@pytest.mark.parametrize(("delta", "want"), [(0.0, 2), (0.2, 1), (0.5, 1), (2.0, 0)])
+def test_lagrangian_trades_utility_for_latency(delta: float, want: int) -> None:
+    # scores: 0.495 - d*0.1, 0.65 - d*0.35, 0.70 - d*0.8
+    s = Lagrangian(delta=delta).select(POOL, 0.0)
+    assert s.index == want
+    assert s.scores[2] == pytest.approx(0.70 - delta * 0.8)
+    assert s.feasible is None
+
+
+def test_lagrangian_never_picks_an_impossible_instance() -> None:
+    o = opts(("a", 0.9, 1.0, math.inf, 0), ("b", 0.1, 1.0, 5.0, 0))
+    assert Lagrangian(delta=0.0).select(o, 0.1).index == 1
+
+
+def test_latency_agnostic_and_round_robin() -> None:
+    assert LatencyAgnostic().select(POOL, 0.01).index == 2
+    rr = RoundRobin()
+    assert [rr.select(POOL, 0.4).index for _ in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_shortest_queue_and_ties() -> None:
+    assert ShortestQueue().select(POOL, 0.4).index == 1
+    tie = opts(("a", 0.5, 1.0, 0.1, 2), ("b", 0.9, 1.0, 0.1, 2))
+    assert ShortestQueue().select(tie, 0.4).index == 0
+
+
+def test_lmdeploy_and_semantic_router_minimise_their_latency() -> None:
+    # their estimates arrive in ttft_s; both ignore quality
+    assert LMDeployProxy().select(POOL, 0.4).index == 0
+    s = SemanticRouter().select(POOL, 0.4)
+    assert s.index == 0
+    assert s.scores == pytest.approx((-1.0, -3.5, -8.0))
+
+
+def test_score_penalises_cost_and_latency() -> None:
+    # 0.495 - 0.3*0.1, 0.65 - 0.3*0.35, 0.70 - 0.3*0.8 -> 0.465, 0.545, 0.46
+    s = Score(latency_weight=0.3).select(POOL, 0.0)
+    assert s.index == 1
+    assert s.scores == pytest.approx((0.465, 0.545, 0.46))
+
+
+def test_routebalance_normalises_across_candidates() -> None:
+    # cost (10, 100, 400) -> (0, 0.2308, 1); ttft (0.1, 0.35, 0.8) -> (0, 0.357, 1)
+    s = RouteBalance(cost_weight=0.1, latency_weight=0.3).select(POOL, 0.0)
+    want = (0.5, 0.70 - 0.1 * 90 / 390 - 0.3 * 0.25 / 0.7, 0.90 - 0.1 - 0.3)
+    assert s.scores == pytest.approx(want)
+    assert s.index == 1
+    assert RouteBalance(cost_weight=0.1, latency_weight=0.5).select(POOL, 0.0).index == 0
+
+
+def test_make_selector_and_protocol() -> None:
+    for name in SELECTORS:
+        sel = make_selector(name)
+        assert isinstance(sel, Selector)
+        assert sel.name == name
+    assert make_selector("lagrangian", delta=3.0).select(POOL, 0).index == 0
+    with pytest.raises(SelectorError, match="policy 'bogus' is not known"):
+        make_selector("bogus")
+    with pytest.raises(SelectorError, match="lam must be a finite number >= 0"):
+        make_selector("bear", lam=-1.0)
+    with pytest.raises(SelectorError, match="unexpected keyword"):
+        make_selector("bear", delta=1.0)
