@@ -32,7 +32,7 @@ async def test_metrics_and_logs_follow_requests(caplog: pytest.LogCaptureFixture
             with caplog.at_level(logging.INFO, logger="bearsdk.decisions"):
                 for _ in range(3):
                     stream = await router.chat(MSG, stream=True, max_tokens=4, ttft_target=5.0)
-                    async for _chunk in stream:  # type: ignore[union-attr]
+                    async for _chunk in stream:
                         pass
 
     def value(name: str, **labels: str) -> float:

@@ -81,19 +81,19 @@ async def test_streaming_chat_passes_chunks_and_feeds_back() -> None:
     async with engines() as pool, AsyncRouter(configs(pool), BEAR()) as router:
         await settle(router)
         stream = await router.chat(MSG, stream=True, max_tokens=12)
-        chunks = [c async for c in stream]  # type: ignore[union-attr]
-        assert stream.ttft_s is not None  # type: ignore[union-attr]
-        assert stream.ttft_s > 0  # type: ignore[union-attr]
-        assert stream.usage is not None  # type: ignore[union-attr]
-        assert stream.usage["completion_tokens"] == 12  # type: ignore[union-attr]
+        chunks = [c async for c in stream]
+        assert stream.ttft_s is not None
+        assert stream.ttft_s > 0
+        assert stream.usage is not None
+        assert stream.usage["completion_tokens"] == 12
         # the usage chunk the router asked for itself is not passed on
         assert all(c["choices"] for c in chunks)
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
         assert text
-        _, _mape, n = router.ttft_error(stream.instance)  # type: ignore[union-attr]
+        _, _mape, n = router.ttft_error(stream.instance)
         assert n == 1
         # engine's own record of the request agrees with what the router observed
-        eng = next(e for e in pool if e.instance == stream.instance)  # type: ignore[union-attr]
+        eng = next(e for e in pool if e.instance == stream.instance)
         assert eng.metrics is not None
 
 
@@ -102,7 +102,7 @@ async def test_usage_chunk_kept_when_asked() -> None:
         stream = await router.chat(
             MSG, stream=True, max_tokens=3, stream_options={"include_usage": True}
         )
-        chunks = [c async for c in stream]  # type: ignore[union-attr]
+        chunks = [c async for c in stream]
         assert chunks[-1]["usage"]["completion_tokens"] == 3
         body = await router.chat(MSG, max_tokens=4)
         assert isinstance(body, dict)
@@ -119,8 +119,8 @@ async def test_failure_before_first_byte_retries_next_best() -> None:
         eng = next(e for e in pool if e.instance == first)
         eng.faults.fail_next(1, status=503)
         stream = await router.chat(MSG, stream=True, max_tokens=5)
-        assert stream.instance != first  # type: ignore[union-attr]
-        assert stream.decision.instance == first  # type: ignore[union-attr]
+        assert stream.instance != first
+        assert stream.decision.instance == first
         assert await drain(stream) >= 5
 
 
@@ -146,13 +146,13 @@ async def test_dropped_stream_is_an_error_not_a_silent_retry() -> None:
         got: list[object] = []
 
         async def read() -> None:
-            async for chunk in stream:  # type: ignore[union-attr]
+            async for chunk in stream:
                 got.append(chunk)
 
         with pytest.raises(DispatchError, match="broke"):
             await read()
         assert len(got) < 10  # cut short (the count of chunks before the drop is the engine's)
-        assert stream.instance == first  # type: ignore[union-attr]
+        assert stream.instance == first
 
 
 async def test_bad_request_is_not_retried() -> None:
@@ -173,7 +173,7 @@ async def test_drain_remove_and_circuit_breaking() -> None:
         while (await router.route(MSG)).instance != names[0]:
             pass  # round robin: the next request goes to names[1]
         stream = await router.chat(MSG, stream=True, max_tokens=20)
-        assert stream.instance == names[1]  # type: ignore[union-attr]
+        assert stream.instance == names[1]
         router.remove_instance(names[1])
         assert await drain(stream) >= 20  # a role chunk, then one chunk per token
         assert names[1] not in router.instances
@@ -246,11 +246,11 @@ async def test_timeout_before_first_byte_moves_on_without_a_duplicate() -> None:
         slow = next(e for e in pool if e.instance == first)
         slow.faults.latency_s = 0.8  # the request reaches this engine 0.8 s late
         stream = await router.chat(MSG, stream=True, max_tokens=5, timeout_s=0.3)
-        assert stream.instance != first  # type: ignore[union-attr]
+        assert stream.instance != first
         assert await drain(stream) >= 5
         slow.faults.latency_s = 0.0
         await anyio.sleep(1.0)  # the abandoned copy has reached the slow engine by now
-        assert _generated(pool, stream.decision.request_id) == [stream.instance]  # type: ignore[union-attr]
+        assert _generated(pool, stream.decision.request_id) == [stream.instance]
         with pytest.raises(Exception, match="timeout_s must be"):
             await router.chat(MSG, timeout_s=0.0)
 
@@ -266,7 +266,7 @@ async def test_every_request_gets_exactly_one_outcome_under_faults() -> None:
             try:
                 s = await router.chat(MSG, stream=True, max_tokens=6)
                 await drain(s)
-                outcomes[k] = ("ok", s.decision.request_id, s.instance)  # type: ignore[union-attr]
+                outcomes[k] = ("ok", s.decision.request_id, s.instance)
             except DispatchError as exc:
                 outcomes[k] = ("error", exc.decision.request_id if exc.decision else "", None)
 
@@ -282,3 +282,15 @@ async def test_every_request_gets_exactly_one_outcome_under_faults() -> None:
             assert _generated(pool, rid) == ([inst] if kind == "ok" else [])
         for name in router.instances:
             assert router.inflight(name) == 0  # nothing left on the books
+
+
+async def test_whole_response_says_who_answered_and_teaches_no_ttft() -> None:
+    async with engines() as pool, AsyncRouter(configs(pool), LatencyAgnostic()) as router:
+        doc = await router.chat(MSG, max_tokens=6)
+        assert doc["choices"][0]["message"]["content"]
+        assert doc.instance == doc.decision.instance
+        assert doc.latency_s > 0
+        # a whole answer's latency is not a time to first token
+        assert router.ttft_error(doc.instance)[2] == 0
+        assert router.overhead(doc.instance) == 0.0
+        assert router.inflight(doc.instance) == 0

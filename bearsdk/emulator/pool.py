@@ -5,12 +5,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import attrs
 
 from bearsdk.emulator.engine import EmulatedEngine, EngineConfig
+
+if TYPE_CHECKING:
+    from bearsdk.router import InstanceConfig
 
 __all__ = ["EnginePool"]
 
@@ -69,6 +73,32 @@ class EnginePool:
     def urls(self) -> list[str]:
         """Base URLs of the engines (after start)."""
         return [e.url for e in self._engines]
+
+    def instance_configs(self, **overrides: Any) -> list[InstanceConfig]:
+        """The router's view of these engines (after start): one
+        :class:`~bearsdk.router.InstanceConfig` each, with the engine's name, URL,
+        model, scheduler and batch-time profile, and push snapshots.
+
+        Args:
+            overrides: Further ``InstanceConfig`` fields, the same for every engine.
+        """
+        from bearsdk.router import InstanceConfig
+
+        return [
+            InstanceConfig(
+                **{
+                    "name": e.instance,
+                    "url": e.url,
+                    "model": e.model_name,
+                    "scheduler": e.config.scheduler,
+                    "scheduler_params": dict(e.config.params),
+                    "profile": e.config.profile,
+                    "snapshots": "push",
+                    **overrides,
+                }
+            )
+            for e in self._engines
+        ]
 
     def __iter__(self) -> Iterator[EmulatedEngine]:
         return iter(self._engines)

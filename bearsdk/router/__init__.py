@@ -6,6 +6,7 @@ from bearsdk.router.decision import Candidate, Decision
 from bearsdk.router.observability import DecisionLog, PrometheusMetrics
 from bearsdk.router.router import (
     AsyncRouter,
+    ChatResponse,
     ChatStream,
     DispatchError,
     EngineRequestError,
@@ -19,6 +20,7 @@ __all__ = [
     "AsyncRouter",
     "BreakerState",
     "Candidate",
+    "ChatResponse",
     "ChatStream",
     "CircuitBreaker",
     "ConfigError",

@@ -28,7 +28,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import aiohttp
 import anyio
@@ -580,6 +580,39 @@ class AsyncRouter:
 
     # ------------------------------------------------------------------ dispatch
 
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = ...,
+        stream: Literal[True],
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatStream: ...
+
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = ...,
+        stream: Literal[False] = ...,
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatResponse: ...
+
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = ...,
+        stream: bool = ...,
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatStream | ChatResponse: ...
+
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -588,7 +621,7 @@ class AsyncRouter:
         stream: bool = False,
         timeout_s: float | None = None,
         **params: Any,
-    ) -> ChatStream | dict[str, Any]:
+    ) -> ChatStream | ChatResponse:
         """Route a chat request and send it (``/v1/chat/completions``).
 
         Args:
@@ -605,7 +638,8 @@ class AsyncRouter:
                 ``stop``...), passed through; ``model`` is set per instance.
 
         Returns:
-            The stream, or the engine's JSON response.
+            The stream, or the engine's JSON response as a :class:`ChatResponse`
+            (a dict that also says which instance answered).
 
         Raises:
             NoInstanceError: No instance can take it.
@@ -617,6 +651,39 @@ class AsyncRouter:
             "/v1/chat/completions", messages, body, ttft_target, stream, timeout_s
         )
 
+    @overload
+    async def completions(
+        self,
+        prompt: str,
+        *,
+        ttft_target: float | None = ...,
+        stream: Literal[True],
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatStream: ...
+
+    @overload
+    async def completions(
+        self,
+        prompt: str,
+        *,
+        ttft_target: float | None = ...,
+        stream: Literal[False] = ...,
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatResponse: ...
+
+    @overload
+    async def completions(
+        self,
+        prompt: str,
+        *,
+        ttft_target: float | None = ...,
+        stream: bool = ...,
+        timeout_s: float | None = ...,
+        **params: Any,
+    ) -> ChatStream | ChatResponse: ...
+
     async def completions(
         self,
         prompt: str,
@@ -625,7 +692,7 @@ class AsyncRouter:
         stream: bool = False,
         timeout_s: float | None = None,
         **params: Any,
-    ) -> ChatStream | dict[str, Any]:
+    ) -> ChatStream | ChatResponse:
         """Route a completion request and send it (``/v1/completions``); as :meth:`chat`."""
         body = dict(params)
         body["prompt"] = prompt
@@ -639,7 +706,7 @@ class AsyncRouter:
         ttft_target: float | None,
         stream: bool,
         timeout_s: float | None = None,
-    ) -> ChatStream | dict[str, Any]:
+    ) -> ChatStream | ChatResponse:
         if self._session is None:
             raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -731,7 +798,7 @@ class AsyncRouter:
 
     async def _read_whole(
         self, inst: _Instance, d: Decision, resp: aiohttp.ClientResponse, sent_at: float, text: str
-    ) -> dict[str, Any]:
+    ) -> ChatResponse:
         try:
             raw = await resp.read()
         except (aiohttp.ClientError, OSError) as exc:
@@ -741,11 +808,12 @@ class AsyncRouter:
             ) from None
         finally:
             resp.release()
-        doc: dict[str, Any] = orjson.loads(raw)
-        now = self.clock()
-        self._first_token(inst, d, now - sent_at)
-        usage = doc.get("usage") or {}
-        self._complete(inst, d, "ok", usage, text)
+        doc = ChatResponse(orjson.loads(raw))
+        doc.decision, doc.instance = d, inst.name
+        doc.latency_s = self.clock() - sent_at
+        # No first token was seen, only the whole answer: it teaches nothing about TTFT.
+        inst.breaker.on_success()
+        self._complete(inst, d, "ok", doc.get("usage") or {}, text)
         return doc
 
     # ------------------------------------------------------------------ feedback
@@ -899,6 +967,21 @@ class EngineRequestError(BearError, RuntimeError):
         self.status = status
         self.body = body
         self.decision = decision
+
+
+class ChatResponse(dict[str, Any]):
+    """A whole (not streamed) response: the engine's JSON object, as a dict.
+
+    Attributes:
+        decision: The routing decision.
+        instance: The instance that answered (after retries, maybe not the
+            decision's first choice).
+        latency_s: Time from sending to the whole answer.
+    """
+
+    decision: Decision
+    instance: str
+    latency_s: float
 
 
 class ChatStream:

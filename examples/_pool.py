@@ -1,0 +1,51 @@
+"""Shared by the examples: the pool to route over, emulated unless ``--pool`` names a file.
+
+``--pool pool.toml`` routes over real vLLM servers (see ``AsyncRouter``'s pool
+file format); without it three emulated engines (Qwen3-0.6B, 8B and 32B
+profiles) start in process, each GPU ``--slowdown`` times slower than the
+profiled H100s so that this machine can emulate a busy pool in real time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import AsyncIterator
+
+from bearsdk import EnginePool, GroundTruthParams, InstanceConfig, load_pool_config
+
+PROFILES = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100")
+
+
+def add_pool_args(parser: argparse.ArgumentParser) -> None:
+    """``--pool FILE`` (real engines) and ``--slowdown X`` (emulated ones)."""
+    parser.add_argument("--pool", help="TOML pool file of real vLLM servers (default: emulated)")
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=3.0,
+        help="emulated GPUs run this many times slower than the profiled H100s (default 3)",
+    )
+
+
+@contextlib.asynccontextmanager
+async def pool_for(args: argparse.Namespace) -> AsyncIterator[list[InstanceConfig]]:
+    """The instances to route over, for as long as the block runs."""
+    if args.pool:
+        yield load_pool_config(args.pool)
+        return
+    slow = GroundTruthParams(time_scale=args.slowdown)
+    async with EnginePool.of(*PROFILES, time_model=slow) as pool:
+        # The router learns the slower GPUs from the engines' /bear/batches;
+        # start it from each GPU's own calibration rather than the H100 profile.
+        yield [
+            InstanceConfig(
+                name=c.name,
+                url=c.url,
+                model=c.model,
+                scheduler=c.scheduler,
+                scheduler_params=c.params,
+                batch_time=e.time_model.fit_eq12(),
+            )
+            for c, e in zip(pool.instance_configs(), pool, strict=True)
+        ]
