@@ -175,7 +175,7 @@ async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     first = None
                     stream = await router.chat(messages, stream=True, max_tokens=8)
-                    async for _ in stream:  # type: ignore[union-attr]
+                    async for _ in stream:
                         if first is None:
                             first = time.perf_counter() - t0
                     routed["first"].append(first or 0.0)
