@@ -20,6 +20,7 @@ EXTENSIONS = {
     "bearsdk.predictors._features_c": "cext/_features_c.pyx",
     "bearsdk._snapshot_c": "cext/_snapshot_c.pyx",
     "bearsdk.io._shm_c": "cext/_shm_c.pyx",
+    "bearsdk.vllm._pub_c": "cext/_vllm_pub_c.pyx",
 }
 
 

@@ -294,3 +294,21 @@ async def test_whole_response_says_who_answered_and_teaches_no_ttft() -> None:
         assert router.ttft_error(doc.instance)[2] == 0
         assert router.overhead(doc.instance) == 0.0
         assert router.inflight(doc.instance) == 0
+
+
+async def test_snapshots_come_from_snapshot_url_when_given() -> None:
+    # As with the vLLM plugin: requests to the API port, /bear/* on a side port.
+    async with engines() as pool:
+        e = pool[1]
+        cfg = InstanceConfig(
+            name=e.instance,
+            url="http://127.0.0.1:9",  # nothing listens here: only requests would go
+            snapshot_url=e.url,
+            model=e.model_name,
+            profile=e.config.profile,
+        )
+        async with AsyncRouter([cfg], BEAR()) as router:
+            await settle(router)
+            assert router.cache(e.instance).entry is not None
+        with pytest.raises(ConfigError, match="snapshot_url must start with http"):
+            InstanceConfig(name="x", url=e.url, snapshot_url="localhost:8100", model="m")

@@ -155,7 +155,7 @@ def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
         key=lambda k: next((i for i, p in enumerate(DEMO_PROFILES) if k.startswith(p)), 9),
     )
     head = f"  {'policy':17} {'OnTimeUtility':>13} {'SLO':>6} {'TTFT p50':>9} {'p99':>7}  "
-    head += " ".join(f"{_short(i):>6}" for i in instances) + "  failed"
+    head += " ".join(f"{_short(i):>6}" for i in instances) + "  failed  TTFT pred. error"
     lines = []
     for rate in rates:
         rows = sorted((s for s in summaries if s.rate == rate), key=lambda s: -s.on_time_utility)
@@ -167,9 +167,12 @@ def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
         for s in rows:
             mark = " *" if s.on_time_utility == best else "  "
             comp = " ".join(f"{s.composition.get(i, 0.0):6.0%}" for i in instances)
+            # The chosen instance's predicted TTFT against the observed one (MAPE).
+            err = "" if math.isnan(s.ttft_mape) else f"{s.ttft_mape:15.0%}"
             lines.append(
                 f"{mark}{s.policy:17} {s.on_time_utility:13.3f} {s.attainment:6.0%} "
                 f"{s.ttft_p50_s * 1e3:7.0f}ms {s.ttft_p99_s * 1e3:5.0f}ms  {comp}  {s.failed:6}"
+                f"  {err}"
             )
     return "\n".join(lines)
 

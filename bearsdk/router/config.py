@@ -43,7 +43,7 @@ class ConfigError(BearError, ValueError):
 
 def _url(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise ConfigError(f"instance url must start with http:// or https:// (got {value!r})")
+        raise ConfigError(f"{att.name} must start with http:// or https:// (got {value!r})")
 
 
 def _mode(inst: object, att: attrs.Attribute[str], value: str) -> None:
@@ -67,6 +67,9 @@ class InstanceConfig:
     Attributes:
         name: Unique instance name (metrics, decisions, snapshots' ``instance``).
         url: Base URL of its OpenAI-compatible server (vLLM or the emulator).
+        snapshot_url: Base URL of its ``/bear/*`` endpoints (snapshots, batch
+            records) when another port serves them, as the vLLM plugin's side
+            server does (``bearsdk.vllm``); default: ``url``.
         model: The model's name in the predictor's pool (accuracy, length, prices).
         served_model: The ``model`` field the engine expects; default: ``model``.
         scheduler: Registered scheduler-policy name.
@@ -82,6 +85,7 @@ class InstanceConfig:
     name: str
     url: str = attrs.field(validator=_url)
     model: str
+    snapshot_url: str | None = attrs.field(default=None, validator=attrs.validators.optional(_url))
     served_model: str | None = None
     scheduler: str = "vllm-v1"
     scheduler_params: tuple[tuple[str, Any], ...] = attrs.field(
@@ -93,6 +97,11 @@ class InstanceConfig:
     poll_interval_s: float = attrs.field(default=0.05, validator=_positive)
     shm_name: str | None = None
     timeout_s: float = attrs.field(default=300.0, validator=_positive)
+
+    @property
+    def bear_url(self) -> str:
+        """Where the ``/bear/*`` endpoints are: ``snapshot_url``, else ``url``."""
+        return self.snapshot_url or self.url
 
     @property
     def engine_model(self) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import statistics
 import time
 import uuid
 from collections import deque
@@ -124,7 +125,7 @@ class _Instance:
     # What the replay cannot see: the HTTP round trip to the engine, its request
     # handling and token delivery. Learned from observed minus predicted TTFT.
     overhead_s: float = 0.0
-    overhead_n: int = 0
+    residuals: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
 
     @property
     def name(self) -> str:
@@ -355,10 +356,10 @@ class AsyncRouter:
         cfg = inst.config
         source: Any
         if cfg.snapshots == "push":
-            source = PushSource(cfg.url, session=self._session, name=f"push:{cfg.name}")
+            source = PushSource(cfg.bear_url, session=self._session, name=f"push:{cfg.name}")
         elif cfg.snapshots == "poll":
             source = PollSource(
-                cfg.url,
+                cfg.bear_url,
                 interval_s=cfg.poll_interval_s,
                 session=self._session,
                 name=f"poll:{cfg.name}",
@@ -387,7 +388,7 @@ class AsyncRouter:
         """Online recalibration from the engine's batch records (``GET /bear/batches``)."""
         assert inst.online is not None
         assert self._session is not None
-        url = inst.config.url + "/bear/batches"
+        url = inst.config.bear_url + "/bear/batches"
         failures = 0
         while True:
             try:
@@ -855,11 +856,11 @@ class AsyncRouter:
                 inst.ttft_rel_err_sum += abs(pred - observed) / observed
                 inst.ttft_err_n += 1
                 if d.chosen.estimator != "lps":
-                    # Running mean (then EWMA) of the residual the replay leaves;
-                    # clamped so one outlier (a stall) cannot poison it.
-                    residual = min(max(observed - (pred - inst.overhead_s), 0.0), 0.25)
-                    inst.overhead_n = min(inst.overhead_n + 1, 50)
-                    inst.overhead_s += (residual - inst.overhead_s) / inst.overhead_n
+                    # The median of recent residuals: a mean would be dragged up by
+                    # requests that reach the engine just after it formed the next
+                    # batch (a whole batch late) and overpredict everything else.
+                    inst.residuals.append(observed - (pred - inst.overhead_s))
+                    inst.overhead_s = min(max(statistics.median(inst.residuals), 0.0), 0.25)
         for hook in self.hooks.on_first_token:
             hook(d, inst.name, observed)
 
