@@ -149,6 +149,12 @@ def _short(instance: str) -> str:
     return instance.split("-h100")[0].split("-2xh100")[0].removeprefix("qwen3-")
 
 
+def _predicts_ttft(policy: str) -> bool:
+    from bearsdk.selectors import make_selector
+
+    return make_selector(policy).latency in ("bea", "prefill-tps")
+
+
 def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
     instances = sorted(
         {k for s in summaries for k in s.composition if k},
@@ -167,8 +173,10 @@ def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
         for s in rows:
             mark = " *" if s.on_time_utility == best else "  "
             comp = " ".join(f"{s.composition.get(i, 0.0):6.0%}" for i in instances)
-            # The chosen instance's predicted TTFT against the observed one (MAPE).
-            err = "" if math.isnan(s.ttft_mape) else f"{s.ttft_mape:15.0%}"
+            # The chosen instance's predicted TTFT against the observed one (MAPE),
+            # for the policies that predict a TTFT in seconds (the baselines' latency
+            # scores are in their own units).
+            err = f"{s.ttft_mape:15.0%}" if _predicts_ttft(s.policy) else ""
             lines.append(
                 f"{mark}{s.policy:17} {s.on_time_utility:13.3f} {s.attainment:6.0%} "
                 f"{s.ttft_p50_s * 1e3:7.0f}ms {s.ttft_p99_s * 1e3:5.0f}ms  {comp}  {s.failed:6}"
