@@ -1,5 +1,6 @@
 """bearsdk: latency-aware routing for heterogeneous vLLM pools (BEA + BEAR)."""
 
+from bearsdk.cluster import Cluster, PowerOfD, SharedOverlay
 from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, GroundTruthParams
 from bearsdk.errors import BearError, SnapshotError, SpecError
 from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
@@ -29,6 +30,9 @@ from bearsdk.io import (
     MetricsSource,
     PollSource,
     PushSource,
+    RedisBus,
+    RedisSnapshotBridge,
+    RedisSource,
     ShmReader,
     ShmSource,
     ShmWriter,
@@ -137,6 +141,7 @@ __all__ = [
     "ChatResponse",
     "ChatStream",
     "CircuitBreaker",
+    "Cluster",
     "ConfigError",
     "Decision",
     "DecisionLog",
@@ -171,6 +176,7 @@ __all__ = [
     "Policy",
     "PollSource",
     "PoolPrediction",
+    "PowerOfD",
     "Predictor",
     "PredictorError",
     "PredictorFormatError",
@@ -180,6 +186,9 @@ __all__ = [
     "PrometheusMetrics",
     "PromptTokenCounter",
     "PushSource",
+    "RedisBus",
+    "RedisSnapshotBridge",
+    "RedisSource",
     "ReplayResult",
     "Replayer",
     "ReplayerProtocol",
@@ -202,6 +211,7 @@ __all__ = [
     "SemanticRouter",
     "SemanticRouterEstimator",
     "ShadowView",
+    "SharedOverlay",
     "ShmReader",
     "ShmSource",
     "ShmWriter",

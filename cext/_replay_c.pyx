@@ -703,6 +703,13 @@ cdef int64_t unschedule(State* st, Batch* b, int32_t s) noexcept nogil:
     return 0
 
 
+cdef inline int64_t sched_longest(State* st) noexcept nogil:
+    cdef int64_t i, m = 0
+    for i in range(st.n_sched):
+        m = imax(m, st.sched_n[i])
+    return m
+
+
 cdef bint grow(State* st, Alloc* a, Pipe* p, Batch* b, int32_t s, int64_t n,
                int64_t* budget) noexcept nogil:
     """Allocate blocks for n more tokens of running request s, preempting if needed.
@@ -778,8 +785,17 @@ cdef int64_t serve_exact(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
         if n <= 0 or not fits(st, c, b, n, longest[0]):
             i += 1
             continue
+        pre = b.preempted
         if not grow(st, a, p, b, s, n, &budget):
+            if Count is PaddedCount:
+                if b.preempted != pre:
+                    longest[0] = sched_longest(st)
             break
+        if Count is PaddedCount:
+            if b.preempted != pre:
+                # A victim scheduled earlier in this batch left it: the padded
+                # width is the longest chunk still in it.
+                longest[0] = sched_longest(st)
         sched_add(st, b, s, n)
         longest[0] = imax(longest[0], n)
         budget -= n

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from bearsdk.replay import IMPLEMENTATION, implementations
+
+if TYPE_CHECKING:
+    from bearsdk.cluster.local import LocalRedis
 
 # `HYPOTHESIS_PROFILE=soak pytest tests/test_replay_property.py` searches much
 # longer than CI does (run it after touching the replay loop).
@@ -46,3 +51,47 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def impl(request: pytest.FixtureRequest) -> str:
     """Each available replay implementation in turn."""
     return str(request.param)
+
+
+def _redis_unavailable(why: str) -> None:
+    # CI installs and starts redis-server (.ci/run): there a missing server is a failure.
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true, but {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[LocalRedis]:
+    """A redis-server of the test's own on a free loopback port, in a temp dir; killed after.
+
+    Skips (outside CI only) when redis-py or the redis-server binary is missing.
+    """
+    from bearsdk.cluster.local import LocalRedis, LocalRedisError
+
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        _redis_unavailable("redis-py is not installed (pip install -e '.[redis]')")
+    try:
+        server = LocalRedis().start()
+    except LocalRedisError as exc:
+        _redis_unavailable(f"redis-server cannot be started: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A Redis server's URL for tests that only read and write (use a key prefix of your own).
+
+    CI starts one server for all of them (``BEARSDK_TEST_REDIS_URL``, .ci/run);
+    elsewhere the test gets its own (:func:`redis_server`).
+    """
+    url = os.environ.get("BEARSDK_TEST_REDIS_URL")
+    if url:
+        yield url
+    else:
+        server: LocalRedis = request.getfixturevalue("redis_server")
+        yield server.url

@@ -312,3 +312,19 @@ async def test_snapshots_come_from_snapshot_url_when_given() -> None:
             assert router.cache(e.instance).entry is not None
         with pytest.raises(ConfigError, match="snapshot_url must start with http"):
             InstanceConfig(name="x", url=e.url, snapshot_url="localhost:8100", model="m")
+
+
+def test_request_ids_are_fixed_width() -> None:
+    # No id may be contained in another: engines embed it in theirs, and the
+    # overlay matches dispatches to a snapshot's ids by containment.
+    router = AsyncRouter(
+        [
+            InstanceConfig(
+                name="a", url="http://127.0.0.1:9", model="Qwen/Qwen3-8B", profile="qwen3-8b-h100"
+            )
+        ],
+        BEAR(),
+    )
+    ids = [router.decide(MSG).request_id for _ in range(12)]
+    assert len({len(i) for i in ids}) == 1
+    assert not any(a in b for a in ids for b in ids if a != b)

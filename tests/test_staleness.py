@@ -327,6 +327,23 @@ def test_fallback_without_or_with_stale_snapshots_and_back() -> None:
     assert st.estimate_ttft(RequestInfo(100), InstanceView(name="x", now=200.0)) == 42.0
 
 
+def test_an_idle_engines_snapshot_never_goes_stale() -> None:
+    # An idle engine publishes nothing: its last (empty) snapshot stays exact.
+    clock = Clock(100.0)
+    stub = StubFallback()
+    st = make_state(clock, fallback=stub, fallback_after_s=1.0)
+    idle = {"schema": "bear.snapshot/1", "instance": "x", "seq": 1, "time": 100.0}
+    st.cache.offer(snapshot_from_dict({**idle, "requests": []}))
+    clock.t = 160.0
+    e = st.ttft(100, 10)
+    assert e.mode == "bea"
+    assert e.ttft_s < 1.0
+    # once something was sent there and no snapshot followed, the fallback answers
+    st.on_dispatch("q1", 100, 10)
+    assert st.ttft(100, 10).mode == "fallback"
+    assert stub.calls == 1
+
+
 def test_default_fallback_is_lps() -> None:
     st = InstanceState(SnapshotCache("x", clock=Clock()), estimator())
     assert isinstance(st.fallback, LPSEstimator)

@@ -7,7 +7,9 @@ instance's :class:`~bearsdk.state.SnapshotCache` (:class:`SnapshotSource`):
 * :class:`PushSource`: the ``GET /bear/snapshots`` NDJSON stream;
 * :class:`ShmSource`: the shared-memory seqlock segment (same host);
 * :class:`MetricsSource`: unmodified vLLM, ``/metrics`` into a
-  :class:`~bearsdk.state.ShadowView`.
+  :class:`~bearsdk.state.ShadowView`;
+* :class:`RedisSource`: the Redis bus router replicas share (``redis`` extra),
+  fed by a :class:`RedisSnapshotBridge`.
 
 Engine side: :class:`SnapshotPublisher` (the HTTP endpoints) and
 :class:`ShmWriter`. Transports are specified in ``docs/protocol.md``.
@@ -17,6 +19,14 @@ from bearsdk.io.base import Backoff, SnapshotSource, SourceStats
 from bearsdk.io.http import PollSource, PushSource
 from bearsdk.io.metrics import EngineMetrics, MetricsSource, parse_vllm_metrics
 from bearsdk.io.publish import SnapshotPublisher, empty_snapshot
+from bearsdk.io.redis import (
+    EVENT_KINDS,
+    BusStats,
+    DispatchEvent,
+    RedisBus,
+    RedisSnapshotBridge,
+    RedisSource,
+)
 from bearsdk.io.shm import (
     ReadResult,
     ShmError,
@@ -27,12 +37,18 @@ from bearsdk.io.shm import (
 )
 
 __all__ = [
+    "EVENT_KINDS",
     "Backoff",
+    "BusStats",
+    "DispatchEvent",
     "EngineMetrics",
     "MetricsSource",
     "PollSource",
     "PushSource",
     "ReadResult",
+    "RedisBus",
+    "RedisSnapshotBridge",
+    "RedisSource",
     "ShmError",
     "ShmReader",
     "ShmSource",

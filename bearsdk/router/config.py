@@ -9,7 +9,7 @@ file (:func:`load_pool_config`)::
     model = "Qwen/Qwen3-8B"               # the predictor's model name
     scheduler = "vllm-v1"                  # a registered policy spec
     profile = "qwen3-8b-h100"              # a batch-time profile (or batch_time = [b0, b1, b2, b3])
-    snapshots = "push"                     # push | poll | shm | metrics
+    snapshots = "push"                     # push | poll | shm | metrics | redis
     [instances.scheduler_params]
     max_num_batched_tokens = 8192
     max_num_seqs = 256
@@ -31,10 +31,12 @@ from bearsdk.estimators.batch_time import BatchTimeModel
 
 __all__ = ["SNAPSHOT_MODES", "ConfigError", "InstanceConfig", "load_pool_config"]
 
-SNAPSHOT_MODES: Final = ("push", "poll", "shm", "metrics")
+SNAPSHOT_MODES: Final = ("push", "poll", "shm", "metrics", "redis")
 """How the router learns an instance's state: the push stream, polling
-``/bear/snapshot``, a shared-memory segment, or (unmodified vLLM) a shadow view
-reconciled with ``/metrics``."""
+``/bear/snapshot``, a shared-memory segment, (unmodified vLLM) a shadow view
+reconciled with ``/metrics``, or the Redis bus router replicas share (needs
+``AsyncRouter(..., cluster=...)``; the push stream stands in while Redis is
+unusable)."""
 
 
 class ConfigError(BearError, ValueError):

@@ -29,7 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import aiohttp
 import anyio
@@ -47,6 +47,7 @@ from bearsdk.estimators.baselines import (
 )
 from bearsdk.estimators.batch_time import BatchDataError, OnlineBatchTime, read_batches
 from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.lps import LPSEstimator
 from bearsdk.estimators.prefill import PrefillThroughputEstimator, nominal_theta_pre
 from bearsdk.estimators.stats import InstanceStats
 from bearsdk.predictors import PoolPrediction, Predictor
@@ -57,6 +58,9 @@ from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import policy as bind_policy
 from bearsdk.selectors import BEAR, Option, Selector
 from bearsdk.state import InstanceState, ShadowView, SnapshotCache, StalenessPolicy
+
+if TYPE_CHECKING:
+    from bearsdk.cluster import Cluster
 
 __all__ = ["AsyncRouter", "ChatStream", "DispatchError", "NoInstanceError", "RouterHooks"]
 
@@ -91,6 +95,8 @@ class RouterHooks:
 
     Attributes:
         on_decision: Every routing decision.
+        on_dispatch: ``(decision, instance, time)`` each time a request is sent
+            to an instance (each attempt; ``time`` on the router's clock).
         on_first_token: ``(decision, instance, observed_ttft_s)`` when the first
             token of a dispatched request arrives.
         on_complete: ``(decision, instance, outcome)`` with outcome
@@ -100,6 +106,7 @@ class RouterHooks:
     """
 
     on_decision: list[Callable[[Decision], None]] = attrs.Factory(list)
+    on_dispatch: list[Callable[[Decision, str, float], None]] = attrs.Factory(list)
     on_first_token: list[Callable[[Decision, str, float], None]] = attrs.Factory(list)
     on_complete: list[Callable[[Decision, str, str], None]] = attrs.Factory(list)
     on_failure: list[Callable[[Decision, str, str], None]] = attrs.Factory(list)
@@ -203,6 +210,10 @@ class AsyncRouter:
         calibrate: Follow each engine's ``/bear/batches`` stream and keep its
             batch-time coefficients calibrated online (engines without the
             endpoint keep their profile).
+        cluster: Share state with other router replicas over Redis
+            (:class:`bearsdk.cluster.Cluster`): instances with
+            ``snapshots = "redis"`` read their snapshots from it, and the
+            replicas see each other's dispatches.
     """
 
     def __init__(
@@ -218,10 +229,12 @@ class AsyncRouter:
         session: aiohttp.ClientSession | None = None,
         hooks: RouterHooks | None = None,
         calibrate: bool = True,
+        cluster: Cluster | None = None,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         if not configs:
             raise ConfigError("pool: needs at least one instance")
+        self.cluster = cluster
         self.policy: Selector = policy if policy is not None else BEAR()
         self.predictor = predictor if predictor is not None else Predictor.load_default()
         self.targets: TargetRule = targets if targets is not None else PaperTargets()
@@ -246,6 +259,11 @@ class AsyncRouter:
     def _add(self, cfg: InstanceConfig) -> _Instance:
         if cfg.name in self._instances:
             raise ConfigError(f"instance {cfg.name!r}: duplicate name")
+        if cfg.snapshots == "redis" and self.cluster is None:
+            raise ConfigError(
+                f"instance {cfg.name!r}: snapshots = 'redis' needs a cluster "
+                "(AsyncRouter(..., cluster=bearsdk.cluster.Cluster(...)))"
+            )
         try:
             idx = self._models.index(cfg.model)
         except ValueError:
@@ -255,9 +273,13 @@ class AsyncRouter:
             ) from None
         bt = cfg.batch_time_model()
         lengths = self._lengths.setdefault(cfg.model, _PredictorLengths())
-        est = BEAEstimator(bind_policy(cfg.scheduler, cfg.params), bt, lengths)
+        pol = bind_policy(cfg.scheduler, cfg.params)
+        est = BEAEstimator(pol, bt, lengths)
         cache = SnapshotCache(cfg.name, est, expect_instance=None, clock=self.clock)
-        state = InstanceState(cache, est, policy=self.staleness, name=cfg.name)
+        # The fallback knows the instance: its prefill rate and its sequence cap
+        # (LPS's defaults are off by orders of magnitude for a real engine).
+        lps = LPSEstimator(theta_pre=nominal_theta_pre(bt), concurrency=pol.max_seqs)
+        state = InstanceState(cache, est, policy=self.staleness, name=cfg.name, fallback=lps)
         inst = _Instance(
             config=cfg,
             model_index=idx,
@@ -289,6 +311,12 @@ class AsyncRouter:
     def cache(self, name: str) -> SnapshotCache:
         """The snapshot cache of instance ``name`` (read-only use)."""
         return self._inst(name).cache
+
+    def state(self, name: str) -> InstanceState:
+        """The TTFT state of instance ``name``: extensions add dispatches the router
+        did not make itself (another replica's) through its ``on_dispatch``,
+        ``on_tokens`` and ``on_complete``."""
+        return self._inst(name).state
 
     def _inst(self, name: str) -> _Instance:
         try:
@@ -332,6 +360,9 @@ class AsyncRouter:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
+            if self.cluster is not None:
+                # Before the sources: Redis sources need the running bus.
+                await self._tg.start(self.cluster.run, self)
             for inst in list(self._instances.values()):
                 await self._tg.start(self._run_source, inst)
         except BaseException:
@@ -366,6 +397,11 @@ class AsyncRouter:
             )
         elif cfg.snapshots == "shm":
             source = ShmSource(cfg.shm_name or segment_path(cfg.name), name=f"shm:{cfg.name}")
+        elif cfg.snapshots == "redis":
+            assert self.cluster is not None  # checked when the instance was added
+            # The engine's own push stream stands in while Redis is unusable.
+            direct = PushSource(cfg.bear_url, session=self._session, name=f"push:{cfg.name}")
+            source = self.cluster.source(cfg.name, direct)
         else:
             assert inst.shadow is not None
             source = MetricsSource(
@@ -429,7 +465,9 @@ class AsyncRouter:
     # ------------------------------------------------------------------ routing
 
     def _next_id(self) -> str:
-        return f"bear-{self._prefix}-{next(self._ids)}"
+        # Fixed width: no id is a prefix of another (engines embed it in their own,
+        # and the overlay matches a dispatch to a snapshot's id by containment).
+        return f"bear-{self._prefix}-{next(self._ids):010d}"
 
     def decide(
         self,
@@ -827,6 +865,8 @@ class AsyncRouter:
             inst.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
         inst.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
         self._lengths[inst.config.model].observe(c.output_tokens)
+        for hook in self.hooks.on_dispatch:
+            hook(d, inst.name, now)
 
     def _undispatched(self, inst: _Instance, d: Decision) -> None:
         inst.inflight -= 1

@@ -12,7 +12,9 @@ snapshot's age (:class:`StalenessPolicy`):
   advanced to now (:class:`~bearsdk.state.fastforward.FastForward`), the
   dispatches arriving at their dispatch times;
 * **fallback**: with no snapshot, or one older than ``fallback_after_s``, the
-  fallback estimator (LPS by default) answers, until fresh snapshots return.
+  fallback estimator (LPS by default) answers, until fresh snapshots return;
+  except for the snapshot of an idle engine with nothing sent since, which
+  stays exact (an idle engine publishes nothing).
 
 Derived views (overlay, fast-forward) are prepared once and reused until the
 snapshot, the set of pending dispatches, or (fast-forward) the time quantum
@@ -244,7 +246,11 @@ class InstanceState:
         now = self.cache.clock() if now is None else now
         entry = self.cache.entry
         age = math.inf if entry is None else entry.age(now)
-        if entry is None or (age > self.policy.fallback_after_s and self.fallback is not None):
+        if entry is None or (
+            age > self.policy.fallback_after_s
+            and self.fallback is not None
+            and not self._idle(entry)
+        ):
             if self.fallback is None:
                 return self._set(Estimate(math.inf, "none", age), now)
             v = view if view is not None else InstanceView(name=self.name, now=now)
@@ -256,6 +262,16 @@ class InstanceState:
         else:
             t = self.estimator.ttft(prep, prompt_tokens, output_len, max_tokens)
         return self._set(Estimate(t - elapsed, mode, age, pending), now)
+
+    def _idle(self, entry: CachedSnapshot) -> bool:
+        """The snapshot shows an idle engine and nothing was sent since: an idle
+        engine publishes nothing, so its last snapshot stays exact however old."""
+        snap = entry.snapshot
+        return (
+            len(snap) == 0
+            and not snap.inflight_remaining_s
+            and not self._overlay.unseen(entry.captured)
+        )
 
     def _set(self, e: Estimate, now: float) -> Estimate:
         was_fallback = self._mode in ("fallback", "none")

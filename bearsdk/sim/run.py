@@ -1,0 +1,675 @@
+"""One simulation run: a request stream routed over simulated engines, in virtual time.
+
+A run routes every request of a :class:`RequestSet` (arriving at the run's
+times) with one policy. Router policies go through the real router,
+:class:`~bearsdk.router.AsyncRouter` on a virtual clock, driven without HTTP:
+
+* before each decision the engines run up to the arrival; what the clients
+  observed by then (first tokens, completions) is reported to the router in
+  time order (``record_first_token``, ``record_complete``), and each instance's
+  cache is offered the latest snapshot published at least ``staleness`` before
+  (``SnapshotCache.offer(snapshot, received=published + staleness)``);
+* ``router.decide`` picks the instance, ``record_dispatch`` follows, and the
+  request joins that engine's waiting queue with its true length there.
+
+Predictions (accuracy, output length, cost) come from the predictor computed
+once per request and replayed through a stand-in with the predictor's interface
+(they do not depend on the policy, and computing them is most of a decision's
+cost). The **oracle** decides outside the router: for each instance it forecasts
+the request's true TTFT from the engine's exact state (:meth:`SimEngine.forecast_ttft`)
+and its true utility, then applies BEAR's rule (eq. 5) to the truth. The
+**latency oracle** applies it to the true TTFT and the predicted utility.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Final, cast
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.emulator import GroundTruthParams
+from bearsdk.predictors import PoolPrediction, Predictor
+from bearsdk.router import AsyncRouter, InstanceConfig
+from bearsdk.router.decision import Decision
+from bearsdk.schedulers import Policy
+from bearsdk.selectors import make_selector
+from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
+from bearsdk.state import StalenessPolicy
+
+__all__ = [
+    "ORACLE",
+    "ORACLE_LATENCY",
+    "InstanceSpec",
+    "PolicySpec",
+    "RequestSet",
+    "RunResult",
+    "Scenario",
+    "arrival_times",
+    "run_scenario",
+    "staleness_label",
+]
+
+ORACLE: Final = "oracle"
+"""Name of the oracle router (true TTFT and true utility)."""
+ORACLE_LATENCY: Final = "oracle-ttft"
+"""Name of the latency oracle: true TTFT, predicted utility (BEAR with a perfect
+TTFT estimator: the gap to BEAR is what latency estimation costs)."""
+_MICRO: Final = 1e6
+_SAMPLES: Final = 4000
+
+
+@attrs.frozen
+class InstanceSpec:
+    """One instance of the simulated pool.
+
+    Attributes:
+        name: Instance name.
+        model: The model it serves, as the predictor names it (accuracy, prices).
+        engine: Emulator profile: the ground truth (hardware, batch times, lengths).
+        profile: The router's eq. 12 batch-time profile (default: ``engine``).
+        batch_time: Explicit eq. 12 coefficients for the router, overriding ``profile``.
+        scheduler: Registered scheduler policy of the engine (and the router's).
+        params: Engine flags (default: what ``vllm serve`` picks on the hardware).
+        ground_truth: Overrides of :class:`~bearsdk.emulator.GroundTruthParams`.
+    """
+
+    name: str
+    model: str
+    engine: str
+    profile: str | None = None
+    batch_time: tuple[float, ...] | None = None
+    scheduler: str = "vllm-v1"
+    params: tuple[tuple[str, Any], ...] = ()
+    ground_truth: tuple[tuple[str, float], ...] = ()
+
+    def time_params(self) -> GroundTruthParams:
+        """The ground-truth model's constants."""
+        overrides: dict[str, Any] = dict(self.ground_truth)
+        return attrs.evolve(GroundTruthParams(), **overrides)
+
+
+@attrs.frozen
+class PolicySpec:
+    """A routing policy: a built-in selector (:func:`~bearsdk.selectors.make_selector`)
+    with parameters, or :data:`ORACLE`.
+
+    Attributes:
+        name: Selector name or ``"oracle"``.
+        params: Its parameters (``lam`` and ``delta`` come from the scenario).
+        label: How results name it (default: the name, with parameters).
+    """
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+    label: str = ""
+
+    @property
+    def display(self) -> str:
+        """The label, or the name with its parameters."""
+        if self.label:
+            return self.label
+        if not self.params:
+            return self.name
+        inner = ",".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params
+        )
+        return f"{self.name}({inner})"
+
+
+@attrs.frozen(eq=False)
+class RequestSet:
+    """The requests of a workload, with everything true and predicted about them.
+
+    Arrays have one row per request; ``[:, j]`` columns follow the pool's
+    instances (truth) or the predictor's models (predictions).
+
+    Attributes:
+        texts: Prompt text of each request (what the router's predictor reads).
+        prompt_tokens: True prompt length (the engines').
+        targets_s: TTFT target of each request.
+        true_output: True output length at each instance.
+        true_accuracy: True accuracy at each instance.
+        price_in: Input price of each instance's model, USD per million tokens.
+        price_out: Output price, USD per million tokens.
+        models: The predictor's models, in its order.
+        pred_accuracy: Predicted accuracy per model.
+        pred_output: Predicted output length per model.
+        pred_prompt: Prompt tokens per model, as the router counts them.
+        pred_cost: Predicted cost per model, USD.
+        tasks: Task (or dataset) of each request, for reports.
+    """
+
+    texts: tuple[str, ...]
+    prompt_tokens: npt.NDArray[np.int64]
+    targets_s: npt.NDArray[np.float64]
+    true_output: npt.NDArray[np.int64]
+    true_accuracy: npt.NDArray[np.float64]
+    price_in: npt.NDArray[np.float64]
+    price_out: npt.NDArray[np.float64]
+    models: tuple[str, ...]
+    pred_accuracy: npt.NDArray[np.float64]
+    pred_output: npt.NDArray[np.float64]
+    pred_prompt: npt.NDArray[np.float64]
+    pred_cost: npt.NDArray[np.float64]
+    tasks: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def true_cost(self) -> npt.NDArray[np.float64]:
+        """True cost of each request at each instance, micro-dollars."""
+        cost: npt.NDArray[np.float64] = (
+            self.prompt_tokens[:, None] * self.price_in[None, :]
+            + self.true_output * self.price_out[None, :]
+        )
+        return cost
+
+    def prediction(self, i: int) -> PoolPrediction:
+        """The predictor's output for request ``i``."""
+        return PoolPrediction(
+            self.models,
+            self.pred_accuracy[i],
+            self.pred_output[i],
+            self.pred_prompt[i],
+            self.pred_cost[i],
+        )
+
+
+@attrs.frozen
+class Scenario:
+    """One run: a policy at one point of a sweep.
+
+    Attributes:
+        policy: The policy.
+        rate: Mean arrival rate, requests/s.
+        arrivals: ``"poisson"``, ``"mmpp2:R"`` (rate ratio ``R``) or ``"trace"``.
+        lam: Cost weight of the utility (policies and metric).
+        delta: Latency weight of the Lagrangian policy (``None``: not applicable).
+        staleness_s: Snapshot delay: one published at ``t`` reaches the router at ``t + delay``.
+        seed: Workload and engine seed.
+        sweep: Name of the sweep it belongs to.
+        router_staleness: How the router handles snapshot age (its default:
+            overlay, fast-forward, LPS fallback after 2 s).
+    """
+
+    policy: PolicySpec
+    rate: float
+    arrivals: str = "poisson"
+    lam: float = 5e-4
+    delta: float | None = None
+    staleness_s: float = 0.0
+    seed: int = 0
+    sweep: str = ""
+    router_staleness: StalenessPolicy = attrs.field(factory=StalenessPolicy)
+
+
+@attrs.frozen
+class RunResult:
+    """What one run measured.
+
+    Attributes:
+        scenario: The run.
+        n: Requests routed.
+        on_time_utility: Eq. 6: mean true utility, 0 for requests past their target.
+        slo_attainment: Share of requests whose TTFT met the target.
+        mean_utility: Mean true utility (targets ignored).
+        mean_ttft_s: Mean TTFT.
+        p90_ttft_s: 90th percentile TTFT.
+        composition: Per instance: ``{"routed", "met", "missed"}`` counts.
+        ttft_mape: MAPE of the policy's TTFT prediction for the chosen instance
+            (``nan`` when it predicts none), overall and by estimator used.
+        wall_s: Wall time of the run.
+        decide_us: Mean wall time of a routing decision, microseconds.
+        batches: Batches the engines ran.
+        samples: Per-request ``(instance index, predicted TTFT, true TTFT,
+            target)`` for up to 4000 requests (plots; not in JSON).
+        diagnosis: With ``diagnose``: every candidate's prediction against its
+            true forecast, per instance and estimator (see :class:`_Diagnosis`).
+    """
+
+    scenario: Scenario
+    n: int
+    on_time_utility: float
+    slo_attainment: float
+    mean_utility: float
+    mean_ttft_s: float
+    p90_ttft_s: float
+    composition: dict[str, dict[str, int]]
+    ttft_mape: dict[str, float]
+    wall_s: float
+    decide_us: float
+    batches: int
+    samples: tuple[tuple[int, float, float, float], ...] = ()
+    diagnosis: dict[str, dict[str, float]] = attrs.field(factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (without samples)."""
+        s = self.scenario
+        return {
+            "sweep": s.sweep,
+            "policy": s.policy.display,
+            "policy_name": s.policy.name,
+            "rate": s.rate,
+            "arrivals": s.arrivals,
+            "lam": s.lam,
+            "delta": s.delta,
+            "staleness_ms": round(s.staleness_s * 1000, 6),
+            "router_staleness": staleness_label(s.router_staleness),
+            "seed": s.seed,
+            "requests": self.n,
+            "on_time_utility": self.on_time_utility,
+            "slo_attainment": self.slo_attainment,
+            "mean_utility": self.mean_utility,
+            "mean_ttft_s": self.mean_ttft_s,
+            "p90_ttft_s": self.p90_ttft_s,
+            "composition": self.composition,
+            "ttft_mape": self.ttft_mape,
+            "batches": self.batches,
+            "decide_us": self.decide_us,
+            "wall_s": self.wall_s,
+            **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
+        }
+
+
+def arrival_times(
+    kind: str, n: int, rate: float, seed: int, trace_times: npt.NDArray[np.float64] | None = None
+) -> npt.NDArray[np.float64]:
+    """Arrival times of a scenario (``kind`` as :attr:`Scenario.arrivals`).
+
+    Raises:
+        ValueError: Unknown kind, or ``"trace"`` without trace times.
+    """
+    from bearsdk.workload import arrivals
+
+    if kind == "poisson":
+        return arrivals(n, rate, seed=seed + 2)
+    if kind.startswith("mmpp2:"):
+        try:
+            ratio = float(kind.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"arrivals: {kind!r} must be mmpp2:RATIO") from None
+        return arrivals(n, rate, process="mmpp2", ratio=ratio, seed=seed + 2)
+    if kind == "trace":
+        if trace_times is None or len(trace_times) < n:
+            raise ValueError("arrivals: 'trace' needs the trace's times for every request")
+        t = trace_times[:n]
+        span = float(t[-1] - t[0])
+        scale = (n - 1) / span / rate if span > 0 and n > 1 else 1.0
+        scaled: npt.NDArray[np.float64] = (t - t[0]) * scale
+        return scaled
+    raise ValueError(f"arrivals must be poisson, mmpp2:RATIO or trace (got {kind!r})")
+
+
+class _PredictionFeed:
+    """Stands in for the router's :class:`~bearsdk.predictors.Predictor`: returns the
+    prediction staged for the request being routed (computed once, shared by every
+    policy). Usage reports teach it nothing: the token counts are the true ones."""
+
+    def __init__(self, models: tuple[str, ...]) -> None:
+        self.models = models
+        self._next: PoolPrediction | None = None
+
+    def stage(self, prediction: PoolPrediction) -> None:
+        self._next = prediction
+
+    def predict(self, prompt: str, **options: object) -> PoolPrediction:
+        # Options (token counts, quantile heads) were settled when the
+        # predictions were computed.
+        assert self._next is not None, "no prediction staged"
+        return self._next
+
+    def observe_usage(self, model: str, prompt: str, prompt_tokens: int) -> None:
+        return None
+
+
+def _instance_config(spec: InstanceSpec, policy_params: dict[str, Any]) -> InstanceConfig:
+    from bearsdk.estimators.batch_time import BatchTimeModel
+
+    bt = BatchTimeModel(*spec.batch_time) if spec.batch_time is not None else None
+    return InstanceConfig(
+        name=spec.name,
+        url="http://sim.invalid",
+        model=spec.model,
+        scheduler=spec.scheduler,
+        scheduler_params=policy_params,
+        profile=None if bt is not None else (spec.profile or spec.engine),
+        batch_time=bt,
+        snapshots="push",
+    )
+
+
+def _router_params(spec: InstanceSpec, eng_policy: Policy) -> dict[str, Any]:
+    """The engine's effective flags, as the router's pool configuration states them."""
+    from bearsdk.schedulers import get_scheduler
+
+    names = set(get_scheduler(spec.scheduler).params)
+    return {k: v for k, v in eng_policy.params if k in names}
+
+
+def staleness_label(policy: StalenessPolicy) -> str:
+    """``"default"``, ``"paper"``, or the fields that differ from the default."""
+    if policy == StalenessPolicy():
+        return "default"
+    if policy == StalenessPolicy.paper():
+        return "paper"
+    base = attrs.asdict(StalenessPolicy())
+    diff = {k: v for k, v in attrs.asdict(policy).items() if base[k] != v}
+    return ",".join(f"{k}={v}" for k, v in diff.items())
+
+
+def _selector(s: Scenario) -> Any:
+    params = dict(s.policy.params)
+    params["lam"] = s.lam
+    if s.policy.name == "lagrangian" and s.delta is not None:
+        params["delta"] = s.delta
+    return make_selector(s.policy.name, **params)
+
+
+def run_scenario(
+    requests: RequestSet,
+    instances: Sequence[InstanceSpec],
+    scenario: Scenario,
+    times: npt.NDArray[np.float64],
+    *,
+    decode_runs: bool = True,
+    diagnose: bool = False,
+) -> RunResult:
+    """Route every request with the scenario's policy; measure the outcome.
+
+    Args:
+        requests: The requests (truth and predictions).
+        instances: The pool.
+        scenario: The run.
+        times: Arrival time of each request (ascending).
+        decode_runs: Let engines advance decode-only stretches in closed form.
+        diagnose: Score every candidate's TTFT prediction against its true
+            forecast (:attr:`RunResult.diagnosis`; costs a forecast per instance
+            and decision).
+
+    Returns:
+        The run's metrics.
+    """
+    t_wall = time.perf_counter()
+    n = len(requests)
+    if len(times) != n:
+        raise ValueError(f"times must give one arrival per request ({n}; got {len(times)})")
+    names = [s.name for s in instances]
+    heap: list[tuple[float, int, int, int, int]] = []
+    counter = [0]
+    rid_index: dict[str, int] = {}
+    width = max(7, len(str(n)))
+    rids = [f"q{i:0{width}d}" for i in range(n)]
+    for i, r in enumerate(rids):
+        rid_index[r] = i
+
+    def sink(j: int) -> Any:
+        def push(e: EngineEvent) -> None:
+            counter[0] += 1
+            heapq.heappush(heap, (e.time, counter[0], e.kind, rid_index[e.rid], j))
+
+        return push
+
+    engines: list[SimEngine] = []
+    router_params: list[dict[str, Any]] = []
+    for j, spec in enumerate(instances):
+        em = bind_engine(spec.engine, spec.scheduler, dict(spec.params))
+        tm = em.time_model
+        params = spec.time_params()
+        if params != tm.params:
+            from bearsdk.emulator.timing import GroundTruthTimeModel
+
+            tm = GroundTruthTimeModel(em.profile, params, 0)
+        # Each instance's noise is its own stream, the same for every policy.
+        noise = BatchNoise(tm.params, scenario.seed * 1_000_003 + 7919 * (j + 1))
+        engines.append(
+            SimEngine(
+                spec.name, em.policy, em.max_model_len, tm, noise, sink(j), decode_runs=decode_runs
+            )
+        )
+        router_params.append(_router_params(spec, em.policy))
+
+    first = np.full(n, np.nan)
+    chosen = np.full(n, -1, dtype=np.int64)
+    predicted = np.full(n, np.nan)
+    estimator: list[str] = [""] * n
+    decisions: list[Decision | None] = [None] * n
+    done_out = requests.true_output  # what each request produces where it runs
+    decide_s = 0.0
+
+    oracle = scenario.policy.name in (ORACLE, ORACLE_LATENCY)
+    diag = _Diagnosis(names) if diagnose and not oracle else None
+    router: AsyncRouter | None = None
+    clock = [0.0]
+    feed = _PredictionFeed(requests.models)
+    if not oracle:
+        configs = [_instance_config(s, router_params[j]) for j, s in enumerate(instances)]
+        router = AsyncRouter(
+            configs,
+            policy=_selector(scenario),
+            predictor=cast(Predictor, feed),
+            staleness=scenario.router_staleness,
+            clock=lambda: clock[0],
+            calibrate=False,
+        )
+        delay = scenario.staleness_s
+        for e in engines:
+            e.plan_captures((times - delay).tolist())
+    caches = [router.cache(nm) for nm in names] if router is not None else []
+    offered = [-1] * len(engines)
+    true_cost = requests.true_cost()
+    utility = requests.true_accuracy - scenario.lam * true_cost
+    judged = utility
+    if scenario.policy.name == ORACLE_LATENCY:
+        cols = [requests.models.index(s.model) for s in instances]
+        judged = (
+            requests.pred_accuracy[:, cols] - scenario.lam * _MICRO * requests.pred_cost[:, cols]
+        )
+
+    def deliver(upto: float) -> None:
+        while heap and heap[0][0] <= upto:
+            t, _, kind, i, j = heapq.heappop(heap)
+            if kind == COMPLETE:
+                if router is not None:
+                    d = decisions[i]
+                    assert d is not None
+                    clock[0] = t
+                    router.record_complete(
+                        d, names[j], usage={"completion_tokens": int(done_out[i, j])}
+                    )
+            else:
+                first[i] = t
+                if router is not None:
+                    d = decisions[i]
+                    assert d is not None
+                    clock[0] = t
+                    router.record_first_token(d, names[j], t - float(times[i]))
+
+    for i in range(n):
+        a = float(times[i])
+        for e in engines:
+            e.advance(a)
+        deliver(a)
+        t0 = time.perf_counter()
+        if router is None:
+            best = _oracle_choice(engines, requests, judged, i, a)
+        else:
+            for j, e in enumerate(engines):
+                snap = e.captured(i)
+                # The engines' first (empty) snapshots, published at 0, arrive late too.
+                received = snap.time + scenario.staleness_s
+                if snap.seq != offered[j] and received <= a:
+                    offered[j] = snap.seq
+                    caches[j].offer(snap, received=received)
+            clock[0] = a
+            feed.stage(requests.prediction(i))
+            d = router.decide(
+                requests.texts[i], ttft_target=float(requests.targets_s[i]), request_id=rids[i]
+            )
+            router.record_dispatch(d)
+            decisions[i] = d
+            best = names.index(d.instance)
+            predicted[i] = d.chosen.ttft_s
+            estimator[i] = d.chosen.estimator
+        decide_s += time.perf_counter() - t0
+        if diag is not None and router is not None:
+            diag.observe(engines, requests, i, a, decisions[i])
+        chosen[i] = best
+        engines[best].add_request(
+            rids[i], int(requests.prompt_tokens[i]), int(requests.true_output[i, best]), a
+        )
+    for e in engines:
+        e.drain()
+    deliver(math.inf)
+    result = _measure(
+        scenario,
+        requests,
+        names,
+        times,
+        first,
+        chosen,
+        predicted,
+        estimator,
+        utility,
+        wall_s=time.perf_counter() - t_wall,
+        decide_s=decide_s,
+        batches=sum(e.batches for e in engines),
+    )
+    if diag is not None:
+        result = attrs.evolve(result, diagnosis=diag.summary())
+    return result
+
+
+@attrs.define
+class _Diagnosis:
+    """Every candidate's predicted TTFT against its true forecast, per instance."""
+
+    names: Sequence[str]
+    _rows: list[tuple[int, str, float, float, float]] = attrs.field(factory=list)
+
+    def observe(
+        self,
+        engines: Sequence[SimEngine],
+        requests: RequestSet,
+        i: int,
+        now: float,
+        d: Decision | None,
+    ) -> None:
+        assert d is not None
+        p = int(requests.prompt_tokens[i])
+        target = float(requests.targets_s[i])
+        for j, (e, c) in enumerate(zip(engines, d.candidates, strict=True)):
+            true = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
+            self._rows.append((j, c.estimator, c.ttft_s, true, target))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per instance (and per instance and estimator): ``n``, ``mape``, ``bias``
+        (mean log of predicted over true; predictions floored at 1 us), and the
+        shares predicted infeasible
+        though feasible (``false_miss``) and feasible though not (``false_hit``)."""
+        groups: dict[str, list[tuple[float, float, float]]] = {}
+        for j, est, p, t, tau in self._rows:
+            # A prediction of 0 (LPS without statistics) is kept: it is one.
+            if not (math.isfinite(p) and math.isfinite(t) and t > 0 and p >= 0):
+                continue
+            for key in (self.names[j], f"{self.names[j]}/{est}"):
+                groups.setdefault(key, []).append((p, t, tau))
+        out: dict[str, dict[str, float]] = {}
+        for key, rows in sorted(groups.items()):
+            a = np.array(rows)
+            pred, true, target = a[:, 0], a[:, 1], a[:, 2]
+            out[key] = {
+                "n": float(len(a)),
+                "mape": float(np.mean(np.abs(pred - true) / true)),
+                "bias": float(np.mean(np.log(np.maximum(pred, 1e-6) / true))),
+                "false_miss": float(np.mean((pred > target) & (true <= target))),
+                "false_hit": float(np.mean((pred <= target) & (true > target))),
+            }
+        return out
+
+
+def _oracle_choice(
+    engines: Sequence[SimEngine],
+    requests: RequestSet,
+    utility: npt.NDArray[np.float64],
+    i: int,
+    now: float,
+) -> int:
+    """BEAR's rule (eq. 5) on the true TTFT: best ``utility`` among instances whose
+    true TTFT meets the target, else the lowest true TTFT."""
+    target = float(requests.targets_s[i])
+    p = int(requests.prompt_tokens[i])
+    best, best_u, fastest, fastest_t = -1, -math.inf, 0, math.inf
+    for j, e in enumerate(engines):
+        ttft = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
+        if ttft < fastest_t:
+            fastest, fastest_t = j, ttft
+        u = float(utility[i, j])
+        if ttft <= target and u > best_u:
+            best, best_u = j, u
+    return best if best >= 0 else fastest
+
+
+def _measure(
+    scenario: Scenario,
+    requests: RequestSet,
+    names: Sequence[str],
+    times: npt.NDArray[np.float64],
+    first: npt.NDArray[np.float64],
+    chosen: npt.NDArray[np.int64],
+    predicted: npt.NDArray[np.float64],
+    estimator: Sequence[str],
+    utility: npt.NDArray[np.float64],
+    *,
+    wall_s: float,
+    decide_s: float,
+    batches: int,
+) -> RunResult:
+    n = len(times)
+    idx = np.arange(n)
+    ttft = first - times
+    met = ttft <= requests.targets_s
+    u = utility[idx, chosen]
+    comp: dict[str, dict[str, int]] = {}
+    for j, nm in enumerate(names):
+        mine = chosen == j
+        comp[nm] = {
+            "routed": int(mine.sum()),
+            "met": int((mine & met).sum()),
+            "missed": int((mine & ~met).sum()),
+        }
+    mape: dict[str, float] = {}
+    ok = np.isfinite(predicted) & (ttft > 0)
+    if ok.any():
+        err = np.abs(predicted[ok] - ttft[ok]) / ttft[ok]
+        mape["all"] = float(err.mean())
+        est = np.array(estimator, dtype=object)[ok]
+        for name in sorted(set(est.tolist())):
+            mape[str(name)] = float(err[est == name].mean())
+    else:
+        mape["all"] = math.nan
+    step = max(1, n // _SAMPLES)
+    samples = tuple(
+        (int(chosen[i]), float(predicted[i]), float(ttft[i]), float(requests.targets_s[i]))
+        for i in range(0, n, step)
+    )
+    return RunResult(
+        scenario=scenario,
+        n=n,
+        on_time_utility=float(np.where(met, u, 0.0).mean()),
+        slo_attainment=float(met.mean()),
+        mean_utility=float(u.mean()),
+        mean_ttft_s=float(ttft.mean()),
+        p90_ttft_s=float(np.quantile(ttft, 0.9)),
+        composition=comp,
+        ttft_mape=mape,
+        wall_s=wall_s,
+        decide_us=decide_s / max(n, 1) * 1e6,
+        batches=batches,
+        samples=samples,
+    )

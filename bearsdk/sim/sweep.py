@@ -1,0 +1,486 @@
+"""Running a configuration: inputs once per seed, every run in parallel, a summary.
+
+Inputs (the workload's requests with their truth and predictions) are built once
+per seed in the calling process; the runs are spread over worker processes.
+Each run depends on its scenario and its seed's inputs alone, so results are
+the same whatever the number of workers. Runs that differ only in settings a
+policy ignores (the oracle and staleness, policies other than the Lagrangian
+and ``delta``, a sweep's name) are run once.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.predictors import Predictor
+from bearsdk.sim.calibrate import Calibration, calibrate_pool
+from bearsdk.sim.config import BASELINES, SimConfig
+from bearsdk.sim.run import (
+    ORACLE,
+    ORACLE_LATENCY,
+    InstanceSpec,
+    RequestSet,
+    RunResult,
+    Scenario,
+    arrival_times,
+    run_scenario,
+)
+from bearsdk.state import StalenessPolicy
+
+__all__ = [
+    "Inputs",
+    "Progress",
+    "SimReport",
+    "format_summary",
+    "load_predictor",
+    "prepare_inputs",
+    "run_config",
+    "summarize",
+]
+
+_ORACLES: Final = (ORACLE, ORACLE_LATENCY)
+
+
+@attrs.frozen(eq=False)
+class Inputs:
+    """What every run of one seed shares.
+
+    Attributes:
+        seed: The seed.
+        requests: Truth and predictions per request.
+        trace_times: The trace window's arrival times, when the workload has a trace.
+        build_s: Time it took to build them.
+    """
+
+    seed: int
+    requests: RequestSet
+    trace_times: npt.NDArray[np.float64] | None
+    build_s: float
+
+
+@attrs.frozen
+class SimReport:
+    """A configuration's results.
+
+    Attributes:
+        config: The configuration.
+        results: One per scenario, in :meth:`SimConfig.scenarios` order.
+        prepare_s: Time spent building inputs.
+        wall_s: Total wall time.
+        workers: Worker processes used.
+        calibrations: The router's eq. 12 fits (``batch_time = "calibrated"``).
+    """
+
+    config: SimConfig
+    results: tuple[RunResult, ...]
+    prepare_s: float
+    wall_s: float
+    workers: int
+    calibrations: tuple[Calibration, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form: ``{"results": [...], "summary": {...}, ...}``."""
+        return {
+            "config": self.config.name,
+            "requests_per_run": self.config.requests,
+            "pool": [s.name for s in self.config.pool],
+            "batch_time": self.config.batch_time,
+            "calibrations": [
+                {
+                    "instance": c.instance,
+                    "batches": c.batches,
+                    "coefficients": list(c.model.extended_coeffs),
+                    "fit_mape": c.fit_mape,
+                    "profile_mape": c.profile_mape,
+                    "profile_bias": c.profile_bias,
+                }
+                for c in self.calibrations
+            ],
+            "results": [r.as_dict() for r in self.results],
+            "summary": summarize(self.results),
+            "prepare_s": self.prepare_s,
+            "wall_s": self.wall_s,
+            "workers": self.workers,
+        }
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+
+def _data_dir(cfg: SimConfig) -> Path | None:
+    d = cfg.workload.data_dir
+    if d:
+        p = Path(d)
+        return p if p.is_absolute() else cfg.base_dir() / p
+    from bearsdk.estimators.dense import shared_data_dir
+
+    return shared_data_dir()
+
+
+def _alpaca_split(n: int = 805) -> tuple[list[int], list[int]]:
+    """AlpacaEval prompts the predictor trains on (even ids) and the runs route (odd ids)."""
+    ids = list(range(n))
+    return ids[0::2], ids[1::2]
+
+
+def load_predictor(cfg: SimConfig) -> Predictor:
+    """The router's predictor as the configuration names it.
+
+    ``"alpaca-eval"`` trains one in place on the AlpacaEval prompts with even
+    ids, for the pool's models; runs then route the odd ones (held out).
+    """
+    kind = cfg.predictor
+    if kind == "default":
+        return Predictor.load_default()
+    if kind == "alpaca-eval":
+        from bearsdk.predictors.dataset import read_alpaca_eval
+        from bearsdk.predictors.pool import FUSECHAT_LLAMA_POOL, ModelSpec
+        from bearsdk.predictors.training import TrainConfig, train_predictor
+
+        data = _data_dir(cfg)
+        if data is None:
+            raise FileNotFoundError("router.predictor = 'alpaca-eval' needs the shared data")
+        known = {m.name: m for m in FUSECHAT_LLAMA_POOL}
+        models: list[str] = []
+        for s in cfg.pool:
+            if s.model not in models:
+                models.append(s.model)
+        pool = tuple(known.get(m, ModelSpec(m)) for m in models)
+        ts = read_alpaca_eval(data / "alpaca_eval", pool)
+        train, _ = _alpaca_split(len(ts.prompts))
+        return train_predictor(ts.select_prompts(train), TrainConfig(quantiles=()))
+    path = Path(kind)
+    if not path.is_absolute():
+        path = cfg.base_dir() / path
+    return Predictor.load(path)
+
+
+def prepare_inputs(cfg: SimConfig, seed: int, predictor: Predictor) -> Inputs:
+    """Build one seed's requests: prompts, lengths, targets, truth and predictions."""
+    from bearsdk.router.targets import FixedTarget, PaperTargets, TargetRule
+    from bearsdk.sim.inputs import build_requests
+    from bearsdk.workload import alpaca_prompts, read_trace, requests_at, task_prompts
+
+    t0 = time.perf_counter()
+    w = cfg.workload
+    n = cfg.requests
+    data = _data_dir(cfg)
+    if w.prompts == "tasks":
+        mix = dict(w.mix) or None
+        bank = task_prompts(min(w.unique_prompts, n), mix=mix, seed=seed)
+    else:
+        if data is None:
+            raise FileNotFoundError("workload.prompts = 'alpaca-eval' needs the shared data")
+        models = list(dict.fromkeys(s.model for s in cfg.pool))
+        ids = _alpaca_split()[1] if cfg.predictor == "alpaca-eval" else None
+        bank = alpaca_prompts(data / "alpaca_eval", models, prompt_ids=ids)
+        bank = bank[: w.unique_prompts]
+    uses_trace = (
+        w.prompt_tokens == "trace"
+        or w.lengths == "trace"
+        or any("trace" in sw.arrivals for sw in cfg.sweeps)
+    )
+    trace = None
+    if uses_trace:
+        trace = read_trace(w.trace, data).window(n, w.trace_start)
+    rule: TargetRule = (
+        PaperTargets(seed=seed + 3) if w.targets == "paper" else FixedTarget(float(w.targets))
+    )
+    lengths = None
+    if trace is not None and w.prompt_tokens == "trace":
+        lengths = trace.prompt_tokens
+    items = requests_at(bank, np.zeros(n), seed=seed, targets=rule, prompt_tokens=lengths)
+    rs = build_requests(
+        items,
+        cfg.pool,
+        predictor,
+        lengths=w.lengths,
+        trace_outputs=trace.output_tokens if trace is not None else None,
+    )
+    return Inputs(seed, rs, None if trace is None else trace.times_s, time.perf_counter() - t0)
+
+
+# -- running --------------------------------------------------------------------------
+
+_SHARED: dict[str, Any] = {}
+
+
+def _init_worker(shared: dict[str, Any]) -> None:
+    _SHARED.clear()
+    _SHARED.update(shared)
+
+
+def _run_one(task: tuple[int, Scenario]) -> tuple[int, RunResult]:
+    idx, sc = task
+    inputs: Inputs = _SHARED["inputs"][sc.seed]
+    pool: Sequence[InstanceSpec] = _SHARED["pool"]
+    n = len(inputs.requests)
+    times = arrival_times(sc.arrivals, n, sc.rate, sc.seed, inputs.trace_times)
+    return idx, run_scenario(inputs.requests, pool, sc, times, decode_runs=_SHARED["decode_runs"])
+
+
+def _canonical(sc: Scenario) -> Scenario:
+    """The scenario with what its policy ignores normalised (dedupes runs)."""
+    out = attrs.evolve(sc, sweep="")
+    if sc.policy.name in _ORACLES:
+        out = attrs.evolve(
+            out, staleness_s=0.0, router_staleness=StalenessPolicy.paper(), delta=None
+        )
+    elif sc.policy.name != "lagrangian":
+        out = attrs.evolve(out, delta=None)
+    return out
+
+
+@attrs.define
+class Progress:
+    """A progress bar on a stream (redrawn in place on a terminal, else a line per 10%).
+
+    Args:
+        total: Runs to do.
+        stream: Where to draw (default: standard error).
+        label: Prefix.
+    """
+
+    total: int
+    stream: TextIO | None = None
+    label: str = "simulate"
+    _done: int = attrs.field(init=False, default=0)
+    _t0: float = attrs.field(init=False, factory=time.perf_counter)
+    _last_decile: int = attrs.field(init=False, default=-1)
+
+    def advance(self, what: str = "") -> None:
+        """One more run done."""
+        self._done += 1
+        out = self.stream if self.stream is not None else sys.stderr
+        el = time.perf_counter() - self._t0
+        frac = self._done / max(self.total, 1)
+        eta = el / frac - el if frac > 0 else math.inf
+        width = 30
+        bar = "#" * round(width * frac) + "." * (width - round(width * frac))
+        line = (
+            f"{self.label} [{bar}] {self._done}/{self.total} runs, {el:5.1f} s, "
+            f"ETA {eta:5.1f} s {what}"
+        )
+        if out.isatty():
+            out.write("\r" + line[:120].ljust(120))
+            if self._done >= self.total:
+                out.write("\n")
+        else:
+            decile = int(frac * 10)
+            if decile != self._last_decile or self._done >= self.total:
+                self._last_decile = decile
+                out.write(line + "\n")
+        out.flush()
+
+
+def run_config(
+    cfg: SimConfig,
+    *,
+    workers: int | None = None,
+    progress: Callable[[int], Progress] | None = None,
+    decode_runs: bool = True,
+    predictor: Predictor | None = None,
+) -> SimReport:
+    """Run every scenario of a configuration.
+
+    Args:
+        cfg: The configuration.
+        workers: Worker processes (default: one per CPU; 1 runs in this process).
+        progress: Builds a progress bar for a number of runs (``None``: no bar).
+        decode_runs: Let engines advance decode stretches in closed form.
+        predictor: The router's predictor (default: as the configuration names it).
+
+    Returns:
+        The results, in scenario order.
+    """
+    t0 = time.perf_counter()
+    pred = predictor if predictor is not None else load_predictor(cfg)
+    inputs = {seed: prepare_inputs(cfg, seed, pred) for seed in cfg.seeds}
+    pool = cfg.pool
+    cals: tuple[Calibration, ...] = ()
+    if cfg.batch_time == "calibrated":
+        first = inputs[cfg.seeds[0]]
+        # Its own seed: calibration traffic shares nothing with the runs but the hardware.
+        pool, cals = calibrate_pool(pool, first.requests, seed=first.seed + 7_000_001)
+    prep = time.perf_counter() - t0
+    scenarios = cfg.scenarios()
+    unique: dict[Scenario, int] = {}
+    order: list[Scenario] = []
+    for sc in scenarios:
+        key = _canonical(sc)
+        if key not in unique:
+            unique[key] = len(order)
+            order.append(key)
+    tasks = list(enumerate(order))
+    shared = {"inputs": inputs, "pool": pool, "decode_runs": decode_runs}
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    bar = progress(len(tasks)) if progress is not None else None
+    done: dict[int, RunResult] = {}
+    if n_workers == 1:
+        _init_worker(shared)
+        for t in tasks:
+            i, r = _run_one(t)
+            done[i] = r
+            if bar is not None:
+                bar.advance(r.scenario.policy.display)
+    else:
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ctx.Pool(n_workers, initializer=_init_worker, initargs=(shared,)) as procs:
+            for i, r in procs.imap_unordered(_run_one, tasks, chunksize=1):
+                done[i] = r
+                if bar is not None:
+                    bar.advance(r.scenario.policy.display)
+    results = []
+    for sc in scenarios:
+        r = done[unique[_canonical(sc)]]
+        results.append(attrs.evolve(r, scenario=sc))
+    return SimReport(cfg, tuple(results), prep, time.perf_counter() - t0, n_workers, cals)
+
+
+# -- summary --------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def summarize(results: Sequence[RunResult]) -> dict[str, Any]:
+    """Gains, oracle fractions and staleness losses, averaged over seeds.
+
+    * ``gain``: per sweep, arrival process, lambda and rate (zero staleness):
+      BEAR's OnTimeUtility, the best baseline's (over :data:`BASELINES` and
+      their variants), the gain in percent, the oracles' and BEAR's fraction of
+      the oracle; ``mean_gain`` averages the per-rate gains of sweeps over
+      several rates (the paper's +30.5% figure).
+    * ``staleness``: per sweep with several delays, BEAR's OnTimeUtility per
+      delay and its loss against zero delay, in percent.
+    """
+    table: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+    for r in results:
+        s = r.scenario
+        key = (s.sweep, s.arrivals, s.lam, s.staleness_s, s.rate)
+        name = s.policy.name if s.policy.name != "lagrangian" else f"lagrangian:{s.delta}"
+        cell = table.setdefault(key, {})
+        cell.setdefault(s.policy.display, []).append(r.on_time_utility)
+        cell.setdefault(f"@{name}", [])
+    gains: list[dict[str, Any]] = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for key, cell in sorted(table.items(), key=lambda kv: (str(kv[0][:2]), kv[0][2:])):
+        sweep, arr, lam, st, rate = key
+        if st != 0.0 or "bear" not in cell:
+            continue
+        bear = _mean(cell["bear"])
+        base = {
+            label: _mean(v)
+            for label, v in cell.items()
+            if not label.startswith("@") and label.split("(")[0] in BASELINES
+        }
+        row: dict[str, Any] = {
+            "sweep": sweep,
+            "arrivals": arr,
+            "lam": lam,
+            "rate": rate,
+            "bear": bear,
+        }
+        if base:
+            best = max(base, key=lambda k: base[k])
+            row["best_baseline"] = best
+            row["best_baseline_otu"] = base[best]
+            row["gain_pct"] = 100.0 * (bear / base[best] - 1.0) if base[best] > 0 else math.nan
+            row["bear_ahead_of_all"] = all(bear > v for v in base.values())
+        for o in _ORACLES:
+            if o in cell:
+                row[o] = _mean(cell[o])
+                row[f"bear_fraction_of_{o}"] = bear / row[o] if row[o] > 0 else math.nan
+        if "prefill-tps" in cell:
+            row["prefill_tps"] = _mean(cell["prefill-tps"])
+        gains.append(row)
+        groups.setdefault((sweep, arr, lam), []).append(row)
+    mean_gain = []
+    for (sweep, arr, lam), rows in groups.items():
+        g = [r["gain_pct"] for r in rows if "gain_pct" in r and math.isfinite(r["gain_pct"])]
+        if len(g) < 2:
+            continue  # an average over rates needs several
+        fr = [r[f"bear_fraction_of_{ORACLE}"] for r in rows if f"bear_fraction_of_{ORACLE}" in r]
+        mean_gain.append(
+            {
+                "sweep": sweep,
+                "arrivals": arr,
+                "lam": lam,
+                "rates": [r["rate"] for r in rows],
+                "mean_gain_pct": _mean(g),
+                "min_gain_pct": min(g) if g else math.nan,
+                "bear_ahead_everywhere": all(r.get("bear_ahead_of_all", False) for r in rows),
+                "mean_fraction_of_oracle": _mean(fr),
+            }
+        )
+    stale: list[dict[str, Any]] = []
+    by_sweep: dict[tuple[Any, ...], dict[float, list[float]]] = {}
+    for r in results:
+        s = r.scenario
+        if s.policy.name == "bear":
+            by_sweep.setdefault((s.sweep, s.arrivals, s.lam, s.rate), {}).setdefault(
+                s.staleness_s, []
+            ).append(r.on_time_utility)
+    for (sweep, arr, lam, rate), per in sorted(
+        by_sweep.items(), key=lambda kv: (str(kv[0][:2]), kv[0][2:])
+    ):
+        if len(per) < 2 or 0.0 not in per:
+            continue
+        zero = _mean(per[0.0])
+        stale.append(
+            {
+                "sweep": sweep,
+                "arrivals": arr,
+                "lam": lam,
+                "rate": rate,
+                "bear": {f"{d * 1000:g}": _mean(v) for d, v in sorted(per.items())},
+                "loss_pct": {
+                    f"{d * 1000:g}": 100.0 * (1.0 - _mean(v) / zero) if zero > 0 else math.nan
+                    for d, v in sorted(per.items())
+                },
+            }
+        )
+    return {"gain": gains, "mean_gain": mean_gain, "staleness": stale}
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The summary as a few human-readable tables."""
+    lines: list[str] = []
+    # The table shows the rate sweeps (those the averages cover).
+    swept = {(m["sweep"], m["arrivals"], m["lam"]) for m in summary.get("mean_gain", [])}
+    gains = [g for g in summary.get("gain", []) if (g["sweep"], g["arrivals"], g["lam"]) in swept]
+    if gains:
+        lines.append(
+            f"{'sweep':<10} {'arrivals':<9} {'rate':>5} {'BEAR':>7} {'best baseline':<26} "
+            f"{'gain %':>7} {'oracle':>7} {'BEAR/oracle':>11}"
+        )
+        for g in gains:
+            best = f"{g.get('best_baseline', '-')} {g.get('best_baseline_otu', math.nan):.4f}"
+            lines.append(
+                f"{g['sweep']:<10} {g['arrivals']:<9} {g['rate']:>5g} {g['bear']:>7.4f} "
+                f"{best:<26} {g.get('gain_pct', math.nan):>7.1f} "
+                f"{g.get(ORACLE, math.nan):>7.4f} "
+                f"{g.get(f'bear_fraction_of_{ORACLE}', math.nan):>11.3f}"
+            )
+    for m in summary.get("mean_gain", []):
+        lines.append(
+            f"{m['sweep']} ({m['arrivals']}, lam {m['lam']:g}): mean gain over the best baseline "
+            f"{m['mean_gain_pct']:+.1f}% (min {m['min_gain_pct']:+.1f}%), BEAR ahead everywhere: "
+            f"{m['bear_ahead_everywhere']}, BEAR/oracle {m['mean_fraction_of_oracle']:.3f}"
+        )
+    for s in summary.get("staleness", []):
+        losses = ", ".join(f"{d} ms {v:+.1f}%" for d, v in s["loss_pct"].items())
+        lines.append(f"{s['sweep']} (rate {s['rate']:g}): BEAR loss vs zero staleness: {losses}")
+    return "\n".join(lines)
