@@ -20,7 +20,12 @@ from bearsdk.estimators.batch_time import (
 )
 from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
 from bearsdk.estimators.bea_adapter import BEALatencyEstimator
-from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor
+from bearsdk.estimators.length import (
+    KnownLengths,
+    LengthPredictor,
+    MeanLengthPredictor,
+    RememberedLengths,
+)
 from bearsdk.estimators.lps import LPSEstimator
 from bearsdk.estimators.prefill import PrefillThroughputEstimator
 from bearsdk.estimators.profiles import load_profile, profile_names
@@ -159,6 +164,7 @@ __all__ = [
     "InstanceStats",
     "InstanceView",
     "KVState",
+    "KnownLengths",
     "LMDeployProxy",
     "LMDeployProxyEstimator",
     "LPSEstimator",
@@ -189,6 +195,7 @@ __all__ = [
     "RedisBus",
     "RedisSnapshotBridge",
     "RedisSource",
+    "RememberedLengths",
     "ReplayResult",
     "Replayer",
     "ReplayerProtocol",

@@ -117,6 +117,7 @@ def test_scenarios_expand_variants_and_axes(small: Path) -> None:
         ),
         ({"router": {"staleness": {"overlay": 1, "bad": 2}}}, "router.staleness.bad"),
         ({"router": {"batch_time": "fitted"}}, "router.batch_time must be"),
+        ({"router": {"resident_lengths": "mean"}}, "router.resident_lengths must be"),
         ({"workload": {"lengths": "guess"}}, "workload.lengths must be one of"),
     ],
 )

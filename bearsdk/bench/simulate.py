@@ -43,6 +43,7 @@ def run(
         seeds=(seed,),
         router_staleness=StalenessPolicy(),
         batch_time="profile",
+        resident_lengths="predicted",
         predictor="default",
         pool=PAPER_POOL,
         workload=WorkloadSpec(unique_prompts=unique_prompts),

@@ -53,6 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="override router.staleness",
     )
+    p.add_argument(
+        "--resident-lengths",
+        choices=("predicted", "calibrated"),
+        default=None,
+        help="override router.resident_lengths (how BEA sizes residents' outputs)",
+    )
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
@@ -93,6 +99,8 @@ def _run(args: argparse.Namespace) -> int:
 
         st = StalenessPolicy() if args.router_staleness == "default" else StalenessPolicy.paper()
         cfg = attrs.evolve(cfg, router_staleness=st)
+    if args.resident_lengths is not None:
+        cfg = attrs.evolve(cfg, resident_lengths=args.resident_lengths)
     if args.workers is not None and args.workers < 1:
         raise SimConfigError(f"--workers must be >= 1 (got {args.workers})")
     if args.plots:

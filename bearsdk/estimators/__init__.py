@@ -25,7 +25,13 @@ from bearsdk.estimators.batch_time import (
 )
 from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
 from bearsdk.estimators.bea_adapter import BEALatencyEstimator
-from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
+from bearsdk.estimators.length import (
+    KnownLengths,
+    LengthPredictor,
+    MeanLengthPredictor,
+    RememberedLengths,
+    resolve_output_lengths,
+)
 from bearsdk.estimators.lps import LPSEstimator, lps_wait, lps_wait_variability
 from bearsdk.estimators.prefill import PrefillThroughputEstimator, calibrate_theta_pre
 from bearsdk.estimators.profiles import get_profile, load_profile, profile_names
@@ -40,6 +46,7 @@ __all__ = [
     "BatchTimeModel",
     "InstanceStats",
     "InstanceView",
+    "KnownLengths",
     "LMDeployProxyEstimator",
     "LPSEstimator",
     "LatencyEstimator",
@@ -48,6 +55,7 @@ __all__ = [
     "OnlineBatchTime",
     "PrefillThroughputEstimator",
     "PreparedSnapshot",
+    "RememberedLengths",
     "RequestInfo",
     "RouteBalanceEstimator",
     "ScoreEstimator",

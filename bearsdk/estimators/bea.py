@@ -114,7 +114,7 @@ class BEAEstimator:
             pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
             free = snapshot.kv.free_blocks
         replayer = compile_policy(pol, self.implementation)
-        table = resolve_output_lengths(snapshot.table, self.length_predictor)
+        table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
         state = replayer.prepare(table, free, snapshot.ids)
         return PreparedSnapshot(snapshot, replayer, state)
 

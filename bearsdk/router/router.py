@@ -47,6 +47,7 @@ from bearsdk.estimators.baselines import (
 )
 from bearsdk.estimators.batch_time import BatchDataError, OnlineBatchTime, read_batches
 from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.length import RememberedLengths
 from bearsdk.estimators.lps import LPSEstimator
 from bearsdk.estimators.prefill import PrefillThroughputEstimator, nominal_theta_pre
 from bearsdk.estimators.stats import InstanceStats
@@ -167,29 +168,6 @@ def _prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-@attrs.define
-class _PredictorLengths:
-    """BEA's length predictor for residents whose length the snapshot omits.
-
-    Residents' prompts are unknown to the router, so their length is the model's
-    mean predicted length (updated from the router's own predictions), or the
-    observed output plus a residual once a request has passed it.
-    """
-
-    mean: float = 256.0
-    residual: int = 64
-    _n: int = 0
-
-    def observe(self, predicted: float) -> None:
-        self._n = min(self._n + 1, 1000)
-        self.mean += (predicted - self.mean) / self._n
-
-    def predict_lengths(self, prompt_tokens: Any, output_tokens: Any) -> Any:
-        import numpy as np
-
-        return np.maximum(int(self.mean), output_tokens + self.residual).astype(np.int64)
-
-
 class AsyncRouter:
     """Routes each request to the best instance of a heterogeneous vLLM pool.
 
@@ -214,6 +192,11 @@ class AsyncRouter:
             (:class:`bearsdk.cluster.Cluster`): instances with
             ``snapshots = "redis"`` read their snapshots from it, and the
             replicas see each other's dispatches.
+        resident_lengths: How BEA sizes the requests resident on an engine:
+            ``"predicted"``, each of the router's own at the length predicted
+            for it (the rest at the mean of those); ``"calibrated"``, as
+            quantiles of the lengths seen completing
+            (:class:`~bearsdk.estimators.RememberedLengths`).
     """
 
     def __init__(
@@ -230,10 +213,16 @@ class AsyncRouter:
         hooks: RouterHooks | None = None,
         calibrate: bool = True,
         cluster: Cluster | None = None,
+        resident_lengths: Literal["predicted", "calibrated"] = "predicted",
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         if not configs:
             raise ConfigError("pool: needs at least one instance")
+        if resident_lengths not in ("predicted", "calibrated"):
+            raise ConfigError(
+                f"resident_lengths must be 'predicted' or 'calibrated' (got {resident_lengths!r})"
+            )
+        self.resident_lengths = resident_lengths
         self.cluster = cluster
         self.policy: Selector = policy if policy is not None else BEAR()
         self.predictor = predictor if predictor is not None else Predictor.load_default()
@@ -247,7 +236,7 @@ class AsyncRouter:
         self._session = session
         self._tg: anyio.abc.TaskGroup | None = None
         self._instances: dict[str, _Instance] = {}
-        self._lengths: dict[str, _PredictorLengths] = {}
+        self._lengths: dict[str, RememberedLengths] = {}
         self._models = list(self.predictor.models)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -272,7 +261,9 @@ class AsyncRouter:
                 f"({', '.join(self._models)})"
             ) from None
         bt = cfg.batch_time_model()
-        lengths = self._lengths.setdefault(cfg.model, _PredictorLengths())
+        lengths = self._lengths.setdefault(
+            cfg.model, RememberedLengths(calibrate=self.resident_lengths == "calibrated")
+        )
         pol = bind_policy(cfg.scheduler, cfg.params)
         est = BEAEstimator(pol, bt, lengths)
         cache = SnapshotCache(cfg.name, est, expect_instance=None, clock=self.clock)
@@ -864,7 +855,6 @@ class AsyncRouter:
         if inst.shadow is not None:
             inst.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
         inst.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
-        self._lengths[inst.config.model].observe(c.output_tokens)
         for hook in self.hooks.on_dispatch:
             hook(d, inst.name, now)
 
@@ -914,12 +904,12 @@ class AsyncRouter:
     ) -> None:
         now = self.clock()
         inst.inflight -= 1
-        inst.state.on_complete(d.request_id, now=now)
+        out = None if not usage else usage.get("completion_tokens")
+        known = out if outcome == "ok" and isinstance(out, int) and out > 0 else None
+        inst.state.on_complete(d.request_id, now=now, output_tokens=known)
         if inst.shadow is not None:
             inst.shadow.on_complete(d.request_id)
-        out = None
         if usage:
-            out = usage.get("completion_tokens")
             ptok = usage.get("prompt_tokens")
             if isinstance(ptok, int) and ptok > 0 and prompt_text:
                 # The engine's count teaches the predictor this model's tokens per char.

@@ -12,6 +12,7 @@
     batch_time = "profile"          # profile (each instance's eq. 12 profile) | calibrated
                                     # (fitted to the simulated instance's batches first)
     predictor = "default"           # default | alpaca-eval | path/to/predictor.bearpred
+    resident_lengths = "predicted"  # predicted | calibrated (quantiles of completed lengths)
 
     [[pool]]                        # one table per instance
     name = "qwen3-8b"
@@ -169,6 +170,7 @@ class SimConfig:
         seeds: Seeds; every run repeats for each.
         router_staleness: The router's staleness handling.
         batch_time: ``"profile"`` or ``"calibrated"`` (the router's eq. 12).
+        resident_lengths: The router's ``resident_lengths``.
         predictor: ``"default"``, ``"alpaca-eval"`` or a predictor file.
         pool: The instances.
         workload: The workload.
@@ -182,6 +184,7 @@ class SimConfig:
     seeds: tuple[int, ...]
     router_staleness: StalenessPolicy
     batch_time: str
+    resident_lengths: str
     predictor: str
     pool: tuple[InstanceSpec, ...]
     workload: WorkloadSpec
@@ -215,6 +218,7 @@ class SimConfig:
                             seed=seed,
                             sweep=sw.name,
                             router_staleness=self.router_staleness,
+                            resident_lengths=self.resident_lengths,
                         )
                     )
         return out
@@ -501,12 +505,17 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
     ):
         raise SimConfigError(f"simulation.seeds must be a list of integers >= 0 (got {seeds!r})")
     router = doc.get("router", {})
-    _check_keys("router", router, ("staleness", "batch_time", "predictor"))
+    _check_keys("router", router, ("staleness", "batch_time", "predictor", "resident_lengths"))
     staleness = _staleness(router.get("staleness", "default"))
     batch_time = _str("router", router, "batch_time", "profile")
     if batch_time not in ("profile", "calibrated"):
         raise SimConfigError(
             f"router.batch_time must be 'profile' or 'calibrated' (got {batch_time!r})"
+        )
+    lengths = _str("router", router, "resident_lengths", "predicted")
+    if lengths not in ("predicted", "calibrated"):
+        raise SimConfigError(
+            f"router.resident_lengths must be 'predicted' or 'calibrated' (got {lengths!r})"
         )
     policies = _policies(doc.get("policies", {}))
     cfg = SimConfig(
@@ -515,6 +524,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         seeds=tuple(seeds),
         router_staleness=staleness,
         batch_time=batch_time,
+        resident_lengths=lengths,
         predictor=_str("router", router, "predictor", "default"),
         pool=_pool(doc.get("pool")),
         workload=_workload(doc.get("workload", {})),

@@ -196,6 +196,8 @@ class Scenario:
         sweep: Name of the sweep it belongs to.
         router_staleness: How the router handles snapshot age (its default:
             overlay, fast-forward, LPS fallback after 2 s).
+        resident_lengths: The router's ``resident_lengths`` (``"predicted"``
+            or ``"calibrated"``).
     """
 
     policy: PolicySpec
@@ -207,6 +209,7 @@ class Scenario:
     seed: int = 0
     sweep: str = ""
     router_staleness: StalenessPolicy = attrs.field(factory=StalenessPolicy)
+    resident_lengths: str = "predicted"
 
 
 @attrs.frozen
@@ -261,6 +264,7 @@ class RunResult:
             "delta": s.delta,
             "staleness_ms": round(s.staleness_s * 1000, 6),
             "router_staleness": staleness_label(s.router_staleness),
+            "resident_lengths": s.resident_lengths,
             "seed": s.seed,
             "requests": self.n,
             "on_time_utility": self.on_time_utility,
@@ -456,6 +460,7 @@ def run_scenario(
             staleness=scenario.router_staleness,
             clock=lambda: clock[0],
             calibrate=False,
+            resident_lengths=cast(Any, scenario.resident_lengths),
         )
         delay = scenario.staleness_s
         for e in engines:

@@ -379,7 +379,7 @@ class SnapshotCache:
             )
             self._replayer = memo
         replayer = memo[3]
-        table = resolve_output_lengths(snapshot.table, est.length_predictor)
+        table = resolve_output_lengths(snapshot.table, est.length_predictor, snapshot.ids)
         free = -1 if kv is None else kv.free_blocks
         return PreparedSnapshot(snapshot, replayer, replayer.prepare(table, free, snapshot.ids))
 

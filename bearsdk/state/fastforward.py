@@ -90,7 +90,7 @@ class FastForward:
             pol = pol.with_kv(snap.kv.block_size, snap.kv.num_blocks)
             free = snap.kv.free_blocks
         rp = PyReplayer(pol)
-        table = resolve_output_lengths(snap.table, est.length_predictor)
+        table = resolve_output_lengths(snap.table, est.length_predictor, snap.ids)
         prepared = rp.prepare(table, free, snap.ids)
         # SchedulerCore has no public constructor from prepared state yet; this
         # is the one the replay itself uses.

@@ -32,6 +32,7 @@ import attrs
 
 from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
 from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
+from bearsdk.estimators.length import RememberedLengths
 from bearsdk.state.cache import CachedSnapshot, SnapshotCache
 from bearsdk.state.fastforward import FastForward
 from bearsdk.state.overlay import Dispatch, DispatchOverlay
@@ -191,7 +192,14 @@ class InstanceState:
             now: Dispatch time (default: the cache clock).
         """
         t = self.cache.clock() if now is None else now
-        self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens))
+        lengths = self.estimator.length_predictor
+        if isinstance(lengths, RememberedLengths) and output_len is not None and output_len > 0:
+            replayed = lengths.calibrated(output_len)
+            self._overlay.add(Dispatch(rid, t, prompt_tokens, replayed, max_tokens))
+            # Once a snapshot shows the request, its own prediction still applies.
+            lengths.remember(rid, output_len)
+        else:
+            self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens))
 
     def on_tokens(self, rid: str, output_tokens: int) -> None:
         """The router has received ``output_tokens`` tokens of ``rid`` so far (1: first token).
@@ -201,10 +209,25 @@ class InstanceState:
         """
         self._overlay.progress(rid, output_tokens)
 
-    def on_complete(self, rid: str, *, now: float | None = None) -> None:
-        """The router saw ``rid`` finish (or fail): it no longer loads the instance."""
+    def on_complete(
+        self, rid: str, *, now: float | None = None, output_tokens: int | None = None
+    ) -> None:
+        """The router saw ``rid`` finish (or fail): it no longer loads the instance.
+
+        Args:
+            rid: The request.
+            now: When (default: the cache clock).
+            output_tokens: Its true output length, when it finished and it is
+                known (teaches :class:`~bearsdk.estimators.RememberedLengths`).
+        """
         t = self.cache.clock() if now is None else now
         self._overlay.discard(rid)
+        lengths = self.estimator.length_predictor
+        if isinstance(lengths, RememberedLengths):
+            if output_tokens is not None and output_tokens > 0:
+                lengths.observe(rid, output_tokens)
+            else:
+                lengths.forget(rid)
         self._completed.append((rid, t))
         if self._ff is not None:
             self._ff.complete(rid)
