@@ -383,3 +383,77 @@ def test_staleness_benchmark_runs_and_the_fixes_help() -> None:
     assert report["scored_requests"] > 50
     # deterministic for a seed, and at 400 ms both fixes beat the paper's estimator
     assert table["400"]["overlay+ff"] < table["400"]["paper"]
+
+
+# -- the router's own requests in fast-forward ------------------------------------
+
+
+def _one_decoding(rid: str) -> Any:
+    return snapshot_from_dict(
+        {
+            "schema": "bear.snapshot/1",
+            "instance": "x",
+            "seq": 1,
+            "time": 0.0,
+            "requests": [
+                {
+                    "id": rid,
+                    "state": "running",
+                    "prompt_tokens": 100,
+                    "computed_tokens": 100,
+                    "output_tokens": 1,
+                }
+            ],
+        }
+    )
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_own_requests_run_in_fast_forward_until_seen_complete(calibrate: bool) -> None:
+    from bearsdk.estimators import RememberedLengths
+
+    rid = "bear-0a1b2c3d-0000000007"
+    lengths = RememberedLengths(calibrate=calibrate)
+    lengths.remember(rid, 5)  # predicted: done after a few steps
+    est = BEAEstimator.for_scheduler("vllm-v1", BT, PARAMS, length_predictor=lengths)
+    ff = FastForward(_one_decoding(f"chatcmpl-{rid}"), est, captured=0.0)
+    ff.advance(1.0, [])  # ~200 steps: far past its prediction
+    got = ff.at(1.0)
+    # The router has not seen it finish, so it is still running, and its length
+    # is predicted again from what it has produced by now.
+    assert got.ids == (f"chatcmpl-{rid}",)
+    out, total = int(got.table[0, 3]), int(got.table[0, 5])
+    assert out > 100
+    assert total > out
+    ff.complete(rid)  # the router's id; the engine's decorates it
+    ff.advance(1.1, [])
+    assert len(ff.at(1.1)) == 0
+
+
+def test_other_residents_finish_at_their_predicted_length() -> None:
+    from bearsdk.estimators import RememberedLengths
+
+    est = BEAEstimator.for_scheduler(
+        "vllm-v1", BT, PARAMS, length_predictor=RememberedLengths(mean=5.0)
+    )
+    ff = FastForward(_one_decoding("chatcmpl-someone-else"), est, captured=0.0)
+    ff.advance(1.0, [])
+    assert len(ff.at(1.0)) == 0
+
+
+def test_state_tracks_dispatches_until_they_complete() -> None:
+    from bearsdk.estimators import RememberedLengths
+
+    lengths = RememberedLengths()
+    est = BEAEstimator.for_scheduler("vllm-v1", BT, PARAMS, length_predictor=lengths)
+    clock = Clock()
+    st = InstanceState(SnapshotCache("x", est, clock=clock), est)
+    st.on_dispatch("bear-ab-0000000001", 100, 50, now=clock.t)
+    st.on_dispatch("bear-ab-0000000002", 100, None, now=clock.t)  # no prediction
+    assert st.tracks("bear-ab-0000000001")
+    assert "bear-ab-0000000001" in lengths
+    assert st.tracks("bear-ab-0000000002")  # pending in the overlay
+    assert not st.tracks("bear-ab-0000000003")
+    st.on_complete("bear-ab-0000000001", now=clock.t + 1, output_tokens=70)
+    assert not st.tracks("bear-ab-0000000001")
+    assert len(lengths) == 0

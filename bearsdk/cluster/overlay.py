@@ -219,15 +219,12 @@ class SharedOverlay:
             state.on_tokens(ev.rid, 1)
             self._progress += 1
         else:
-            # A completion matters while the dispatch is pending, or when the
-            # snapshot holds the request under the replica's own id (then
-            # fast-forward retires it). Otherwise (the engine's id merely
-            # contains it: vLLM, the emulator) it would change nothing but
-            # would still make the instance's derived view be rebuilt: with N
-            # replicas, N times as often as one router's own completions do.
+            # A completion matters while this replica follows the request (its
+            # dispatch still pending, or its length remembered: fast-forward
+            # retires it, the length is forgotten) or when the snapshot holds it
+            # under the replica's own id. Any other would change nothing but
+            # would still make the instance's derived view be rebuilt.
             entry = router.cache(ev.instance).entry
-            if any(d.rid == ev.rid for d in state.overlay) or (
-                entry is not None and ev.rid in entry.snapshot.ids
-            ):
+            if state.tracks(ev.rid) or (entry is not None and ev.rid in entry.snapshot.ids):
                 state.on_complete(ev.rid, now=ev.time)
                 self._progress += 1

@@ -195,6 +195,9 @@ class RememberedLengths:
     def __len__(self) -> int:
         return len(self._known)
 
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._known
+
     @property
     def observed(self) -> int:
         """Completed lengths held (at most ``window``)."""

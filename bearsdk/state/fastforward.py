@@ -11,6 +11,13 @@ returns the state at a given time as a snapshot that BEA replays as usual.
 It is incremental: each call only simulates the time since the previous one, so
 many estimates between two snapshots cost about what the engine itself ran.
 
+The router knows more than the snapshot about its own requests: one it has not
+seen complete is still running. Those (the ones its length predictor remembers,
+:class:`~bearsdk.estimators.KnownLengths`) are *pinned*: they do not finish in
+the virtual engine when they reach their predicted length, only when
+:meth:`FastForward.complete` says so; one that outran its prediction is handed
+back to the length predictor, conditioned on what it has produced by now.
+
 Timing follows the replay's own convention (``BEAEstimator``: a snapshot's
 TTFT is the remaining time of the batch in flight plus the replayed batches):
 the batch executing at time ``t`` is scheduled, and the snapshot at ``t`` reports
@@ -27,10 +34,17 @@ import numpy as np
 import numpy.typing as npt
 
 from bearsdk.estimators.bea import BEAEstimator
-from bearsdk.estimators.length import resolve_output_lengths
+from bearsdk.estimators.length import KnownLengths, resolve_output_lengths
 from bearsdk.replay import SchedulerCore
 from bearsdk.replay._replay_py import Replayer as PyReplayer
-from bearsdk.snapshot import NCOLS, STATE_RUNNING, STATE_WAITING, Snapshot
+from bearsdk.snapshot import (
+    COL_OUTPUT,
+    COL_OUTPUT_LEN,
+    NCOLS,
+    STATE_RUNNING,
+    STATE_WAITING,
+    Snapshot,
+)
 from bearsdk.state.overlay import Dispatch
 
 __all__ = ["FastForward"]
@@ -80,6 +94,10 @@ class FastForward:
     _added: set[str] = attrs.field(init=False, factory=set)
     _batches: int = attrs.field(init=False, default=0)
     _queue: list[Dispatch] = attrs.field(init=False, factory=list)
+    # Requests the router has not seen complete, so still running, and those of
+    # them kept past their predicted length.
+    _pinned: set[str] = attrs.field(init=False, factory=set)
+    _extended: set[str] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
         snap = self.snapshot
@@ -90,7 +108,11 @@ class FastForward:
             pol = pol.with_kv(snap.kv.block_size, snap.kv.num_blocks)
             free = snap.kv.free_blocks
         rp = PyReplayer(pol)
-        table = resolve_output_lengths(snap.table, est.length_predictor, snap.ids)
+        lengths = est.length_predictor
+        table = resolve_output_lengths(snap.table, lengths, snap.ids)
+        if isinstance(lengths, KnownLengths) and len(snap.ids):
+            known = lengths.known_lengths(snap.ids, snap.table[:, COL_OUTPUT])
+            self._pinned = {rid for rid, k in zip(snap.ids, known.tolist(), strict=True) if k > 0}
         prepared = rp.prepare(table, free, snap.ids)
         # SchedulerCore has no public constructor from prepared state yet; this
         # is the one the replay itself uses.
@@ -110,7 +132,14 @@ class FastForward:
         """The router saw ``rid`` finish: remove it from the virtual engine if resident."""
         self._added.add(rid)
         self._queue = [d for d in self._queue if d.rid != rid]
-        self._core.abort_request(rid)
+        core = self._core
+        sid = rid
+        if rid not in core.requests:
+            # The snapshot names it as the engine does (vLLM: ``chatcmpl-<id>``).
+            sid = next((s for s in core.requests if rid in s), rid)
+        self._pinned.discard(sid)
+        self._extended.discard(sid)
+        core.abort_request(sid)
 
     def _arrive(self, upto: float) -> None:
         while self._queue and self._queue[0].time - self.captured <= upto:
@@ -124,6 +153,12 @@ class FastForward:
             if d.max_tokens is not None:
                 out = min(out, d.max_tokens)
             self._core.add_request(d.rid, d.prompt_tokens, max(1, out), d.max_tokens)
+            lengths = self.estimator.length_predictor
+            if (
+                isinstance(lengths, KnownLengths)
+                and lengths.known_lengths([d.rid], np.zeros(1, dtype=np.int64))[0] > 0
+            ):
+                self._pinned.add(d.rid)
 
     def advance(self, now: float, arrivals: list[Dispatch]) -> None:
         """Simulate up to ``now``, adding ``arrivals`` (in dispatch order) as they come.
@@ -148,6 +183,8 @@ class FastForward:
                 self._t = max(self._t, self._queue[0].time - self.captured)
                 self._idle = False
             self._arrive(self._t)
+            if self._pinned:
+                self._hold_pinned()
             batch = core.schedule()
             dt = 0.0
             if batch:
@@ -164,6 +201,16 @@ class FastForward:
                 break  # guards a zero-cost batch model; the snapshot is then approximate
         self._arrive(to)
 
+    def _hold_pinned(self) -> None:
+        # A pinned request about to reach its predicted length gets one more
+        # token to go, for as long as the router has not seen it finish (its
+        # cap still ends it: the engine stops there too).
+        pinned = self._pinned
+        for r in self._core.running:
+            if r.rid in pinned and r.target <= r.outputs + r.ph + 1 and r.target < r.limit:
+                r.target = min(r.outputs + r.ph + 2, r.limit)
+                self._extended.add(r.rid)
+
     def at(self, now: float) -> Snapshot:
         """The instance's state at ``now`` (call :meth:`advance` first) as a snapshot."""
         to = now - self.captured
@@ -173,6 +220,13 @@ class FastForward:
             instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
         )
         ids, table = _table(doc)
+        if self._extended:
+            # Kept running past its prediction: how much more is the predictor's
+            # call again, given what it has produced by now.
+            rows = [i for i, rid in enumerate(ids) if rid in self._extended]
+            if rows:
+                table[rows, COL_OUTPUT_LEN] = -1
+                table = resolve_output_lengths(table, self.estimator.length_predictor)
         return Snapshot(
             instance=snap.instance,
             seq=snap.seq,

@@ -233,6 +233,14 @@ class InstanceState:
             self._ff.complete(rid)
             self._view_key = None
 
+    def tracks(self, rid: str) -> bool:
+        """Whether request ``rid`` (a router id) is one this state is following: a
+        dispatch no snapshot has shown yet, or one whose length it remembers."""
+        if any(d.rid == rid for d in self._overlay):
+            return True
+        lengths = self.estimator.length_predictor
+        return isinstance(lengths, RememberedLengths) and rid in lengths
+
     # ------------------------------------------------------------------ estimates
 
     def estimate_ttft(self, request: RequestInfo, view: InstanceView) -> float:
