@@ -8,7 +8,10 @@ pure-Python reference) is timed for:
 * ``update``: :meth:`SnapshotCache.offer_bytes` without an estimator (decode,
   ordering checks, the swap);
 * ``update+prepare``: the same with the instance's BEA estimator attached, so
-  the replay state is built once, at acceptance (what a router runs).
+  the replay state is built once, at acceptance;
+* ``+lengths``: the same with the router's length predictor
+  (:class:`~bearsdk.estimators.RememberedLengths`) remembering every resident,
+  so each one's own predicted length is looked up (what a router runs).
 
 Then the shared-memory seqlock: one write and one read of that payload per
 implementation. ``--stress SECONDS`` adds the stress test: a writer process
@@ -38,6 +41,7 @@ import orjson
 from bearsdk.bench import time_call
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.length import RememberedLengths
 from bearsdk.io import shm
 from bearsdk.snapshot import decoders
 from bearsdk.state.cache import SnapshotCache
@@ -125,6 +129,10 @@ def run(rounds: int, requests: int = 64) -> dict[str, Any]:
     base = snapshot_doc(1, requests)
     payloads = [orjson.dumps({**base, "seq": s}) for s in range(1, 513)]
     est = BEAEstimator.for_scheduler("vllm-v1", COEFFS, PARAMS)
+    remembered = RememberedLengths()
+    for r in base["requests"]:
+        remembered.remember(r["id"], 300)
+    est_router = BEAEstimator.for_scheduler("vllm-v1", COEFFS, PARAMS, length_predictor=remembered)
     report: dict[str, Any] = {
         "requests": requests,
         "payload_bytes": len(payloads[0]),
@@ -149,6 +157,8 @@ def run(rounds: int, requests: int = 64) -> dict[str, Any]:
             call, cache = _update_timer(payloads, est)
             entry["update+prepare"] = time_call(call, batch=batch, rounds=rnds, warmup=2)
             assert cache.stats().rejected_total == 0
+            call, cache = _update_timer(payloads, est_router)
+            entry["+lengths"] = time_call(call, batch=batch, rounds=rnds, warmup=2)
         finally:
             snapmod._scan = saved
         report["decoders"][name] = {k: t.as_dict() for k, t in entry.items()}

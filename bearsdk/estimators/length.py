@@ -106,20 +106,27 @@ def resolve_output_lengths(
     missing = out[:, COL_OUTPUT_LEN] < 1
     if not missing.any():
         return out
-    rows = out[missing]
-    pred = np.asarray(
-        predictor.predict_lengths(rows[:, COL_PROMPT], rows[:, COL_OUTPUT]), dtype=np.int64
-    )
-    if ids is not None and isinstance(predictor, KnownLengths):
+    # Engines publish no lengths: every row is missing, and the whole table is
+    # used as it is (fancy indexing costs microseconds per snapshot).
+    every = bool(missing.all())
+    rows = out if every else out[missing]
+    produced = rows[:, COL_OUTPUT]
+    pred = np.asarray(predictor.predict_lengths(rows[:, COL_PROMPT], produced), dtype=np.int64)
+    # Not isinstance(predictor, KnownLengths): a protocol check costs microseconds.
+    known_lengths = getattr(predictor, "known_lengths", None) if ids is not None else None
+    if known_lengths is not None and ids is not None:
         if len(ids) != len(out):
             raise ValueError(f"ids: {len(ids)} ids for {len(out)} rows")
-        sel = [ids[i] for i in np.flatnonzero(missing).tolist()]
-        known = np.asarray(predictor.known_lengths(sel, rows[:, COL_OUTPUT]), dtype=np.int64)
-        pred = np.where(known > rows[:, COL_OUTPUT], known, pred)
-    pred = np.maximum(pred, rows[:, COL_OUTPUT] + 1)
+        sel = ids if every else [ids[i] for i in np.flatnonzero(missing).tolist()]
+        known = np.asarray(known_lengths(sel, produced), dtype=np.int64)
+        pred = np.where(known > produced, known, pred)
+    pred = np.maximum(pred, produced + 1)
     cap = rows[:, COL_MAX_TOKENS]
-    pred = np.where(cap > 0, np.minimum(pred, cap), pred)
-    out[missing, COL_OUTPUT_LEN] = pred
+    pred = np.where((cap > 0) & (pred > cap), cap, pred)
+    if every:
+        out[:, COL_OUTPUT_LEN] = pred
+    else:
+        out[missing, COL_OUTPUT_LEN] = pred
     return out
 
 
@@ -257,6 +264,11 @@ class RememberedLengths:
         hi = np.searchsorted(preds, values, side="right")
         return (lo + hi) / (2.0 * len(preds))
 
+    def _router_id(self, sid: str) -> str:
+        m = self.id_pattern.search(sid)
+        rid = self._alias[sid] = sid if m is None else m.group(0)
+        return rid
+
     def calibrated(self, output_len: int) -> int:
         """A fresh request's predicted length mapped onto the completed lengths
         (as it is before ``min_observed`` of the router's own completed)."""
@@ -283,18 +295,13 @@ class RememberedLengths:
         self, ids: Sequence[str], output_tokens: npt.NDArray[np.int64]
     ) -> npt.NDArray[np.int64]:
         """See :class:`KnownLengths`."""
-        known, alias = self._known, self._alias
-        res = np.full(len(ids), -1, dtype=np.int64)
+        known = self._known
         if not known:
-            return res
-        for i, sid in enumerate(ids):
-            rid = alias.get(sid)
-            if rid is None:
-                m = self.id_pattern.search(sid)
-                rid = alias[sid] = sid if m is None else m.group(0)
-            n = known.get(rid)
-            if n is not None:
-                res[i] = n
+            return np.full(len(ids), -1, dtype=np.int64)
+        alias = self._alias.get
+        find = self._router_id
+        get = known.get
+        res = np.array([get(alias(sid) or find(sid), -1) for sid in ids], dtype=np.int64)
         found = res > 0
         dist = self._distributions()
         if dist is None or len(self._pred) < self.min_observed or not found.any():

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bearsdk.estimators.bea import BEAEstimator
-from bearsdk.estimators.length import KnownLengths, resolve_output_lengths
+from bearsdk.estimators.length import resolve_output_lengths
 from bearsdk.replay import SchedulerCore
 from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.snapshot import (
@@ -98,6 +98,7 @@ class FastForward:
     # them kept past their predicted length.
     _pinned: set[str] = attrs.field(init=False, factory=set)
     _extended: set[str] = attrs.field(init=False, factory=set)
+    _known: Any = attrs.field(init=False, default=None)  # the predictor's known_lengths
 
     def __attrs_post_init__(self) -> None:
         snap = self.snapshot
@@ -110,8 +111,10 @@ class FastForward:
         rp = PyReplayer(pol)
         lengths = est.length_predictor
         table = resolve_output_lengths(snap.table, lengths, snap.ids)
-        if isinstance(lengths, KnownLengths) and len(snap.ids):
-            known = lengths.known_lengths(snap.ids, snap.table[:, COL_OUTPUT])
+        # Duck-typed (KnownLengths): a protocol isinstance check costs microseconds.
+        self._known = getattr(lengths, "known_lengths", None)
+        if self._known is not None and len(snap.ids):
+            known = self._known(snap.ids, snap.table[:, COL_OUTPUT])
             self._pinned = {rid for rid, k in zip(snap.ids, known.tolist(), strict=True) if k > 0}
         prepared = rp.prepare(table, free, snap.ids)
         # SchedulerCore has no public constructor from prepared state yet; this
@@ -153,11 +156,7 @@ class FastForward:
             if d.max_tokens is not None:
                 out = min(out, d.max_tokens)
             self._core.add_request(d.rid, d.prompt_tokens, max(1, out), d.max_tokens)
-            lengths = self.estimator.length_predictor
-            if (
-                isinstance(lengths, KnownLengths)
-                and lengths.known_lengths([d.rid], np.zeros(1, dtype=np.int64))[0] > 0
-            ):
+            if self._known is not None and self._known([d.rid], np.zeros(1, np.int64))[0] > 0:
                 self._pinned.add(d.rid)
 
     def advance(self, now: float, arrivals: list[Dispatch]) -> None:
