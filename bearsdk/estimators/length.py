@@ -157,7 +157,7 @@ class RememberedLengths:
     is and other residents get the mean of the predictions, or their output
     plus ``residual`` once past it. Calibration is off by default: it makes
     BEA's TTFT more accurate on an instance under memory pressure, but in the
-    routing simulations it cost OnTimeUtility under stale snapshots
+    routing simulations it cost BEAR a little OnTimeUtility at high load
     (``docs/snapshots.md``). Memory is bounded: past ``capacity`` requests
     the oldest are forgotten (requests whose completion the router never saw).
 
@@ -241,11 +241,20 @@ class RememberedLengths:
     def _distributions(
         self,
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+        # Completed lengths and the router's predictions for them, both sorted;
+        # None until enough lengths completed.
         if len(self._done) < self.min_observed:
             return None
         if self._sorted is None:
             self._sorted = (np.sort(self._done.values()), np.sort(self._pred.values()))
         return self._sorted
+
+    def _mapping(
+        self,
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+        # The same, None also until enough of the router's own requests completed.
+        dist = self._distributions()
+        return None if dist is None or len(self._pred) < self.min_observed else dist
 
     def _quantile(
         self,
@@ -272,10 +281,10 @@ class RememberedLengths:
     def calibrated(self, output_len: int) -> int:
         """A fresh request's predicted length mapped onto the completed lengths
         (as it is before ``min_observed`` of the router's own completed)."""
-        dist = self._distributions()
-        if dist is None or len(self._pred) < self.min_observed:
+        mapping = self._mapping()
+        if mapping is None:
             return output_len
-        lengths, preds = dist
+        lengths, preds = mapping
         v = np.array([output_len], dtype=np.int64)
         return int(self._quantile(lengths, np.zeros(1, np.int64), self._rank(preds, v))[0])
 
@@ -303,10 +312,10 @@ class RememberedLengths:
         get = known.get
         res = np.array([get(alias(sid) or find(sid), -1) for sid in ids], dtype=np.int64)
         found = res > 0
-        dist = self._distributions()
-        if dist is None or len(self._pred) < self.min_observed or not found.any():
+        mapping = self._mapping()
+        if mapping is None or not found.any():
             return res
-        lengths, preds = dist
+        lengths, preds = mapping
         out = np.asarray(output_tokens, dtype=np.int64)
         res[found] = self._quantile(lengths, out[found], self._rank(preds, res[found]))
         return res
@@ -316,31 +325,23 @@ _GOLDEN = 0.6180339887498949
 
 
 class _Ring:
-    """The last ``size`` values pushed, and their sum."""
+    """The last ``size`` values pushed."""
 
-    __slots__ = ("_buf", "_i", "_n", "_sum")
+    __slots__ = ("_buf", "_i", "_n")
 
     def __init__(self, size: int) -> None:
         self._buf = np.zeros(size, dtype=np.float64)
         self._i = 0
         self._n = 0
-        self._sum = 0.0
 
     def __len__(self) -> int:
         return self._n
 
     def push(self, v: float) -> None:
         buf = self._buf
-        if self._n == len(buf):
-            self._sum -= buf[self._i]
-        else:
-            self._n += 1
+        self._n = min(self._n + 1, len(buf))
         buf[self._i] = v
-        self._sum += v
         self._i = (self._i + 1) % len(buf)
-
-    def total(self) -> float:
-        return self._sum
 
     def values(self) -> npt.NDArray[np.float64]:
         return self._buf[: self._n] if self._n < len(self._buf) else self._buf

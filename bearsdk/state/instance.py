@@ -236,7 +236,7 @@ class InstanceState:
     def tracks(self, rid: str) -> bool:
         """Whether request ``rid`` (a router id) is one this state is following: a
         dispatch no snapshot has shown yet, or one whose length it remembers."""
-        if any(d.rid == rid for d in self._overlay):
+        if rid in self._overlay:
             return True
         lengths = self.estimator.length_predictor
         return isinstance(lengths, RememberedLengths) and rid in lengths

@@ -101,6 +101,9 @@ class DispatchOverlay:
         """Changes whenever the set of pending dispatches changes."""
         return self._version
 
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._pending
+
     def __len__(self) -> int:
         return len(self._pending)
 
