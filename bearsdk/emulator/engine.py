@@ -21,7 +21,6 @@ forms the batches the engine forms next (``tests/test_emulator_replay.py``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import secrets
 import statistics
@@ -35,6 +34,7 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk.emulator._lifecycle import start_running, stop_running
 from bearsdk.emulator.faults import Faults
 from bearsdk.emulator.hubs import BatchHub, PublishedSnapshot, SnapshotHub
 from bearsdk.emulator.metrics import EngineMetrics, GaugeValues
@@ -965,16 +965,7 @@ class EmulatedEngine:
         await self._http.start(self._config.host, port)
 
     async def __aenter__(self) -> EmulatedEngine:
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        try:
-            await tg.start(self.run)
-        except BaseException as exc:
-            tg.cancel_scope.cancel()
-            with contextlib.suppress(BaseException):
-                await tg.__aexit__(None, None, None)
-            raise exc from None
-        self._tg = tg
+        self._tg = await start_running(self.run)
         return self
 
     async def __aexit__(
@@ -985,12 +976,7 @@ class EmulatedEngine:
     ) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        tg.cancel_scope.cancel()
-        if isinstance(exc, Exception):
-            # The block's own error propagates as it is, not wrapped in a group.
-            await tg.__aexit__(None, None, None)
-            return None
-        return await tg.__aexit__(exc_type, exc, tb)
+        return await stop_running(tg, exc_type, exc, tb)
 
 
 def _apply_stop(texts: list[str], stops: Sequence[str]) -> tuple[int, list[str], str | None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -11,6 +10,7 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk.emulator._lifecycle import start_running, stop_running
 from bearsdk.emulator.engine import EmulatedEngine, EngineConfig
 
 if TYPE_CHECKING:
@@ -123,16 +123,7 @@ class EnginePool:
             raise
 
     async def __aenter__(self) -> EnginePool:
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        try:
-            await tg.start(self.run)
-        except BaseException as exc:
-            tg.cancel_scope.cancel()
-            with contextlib.suppress(BaseException):
-                await tg.__aexit__(None, None, None)
-            raise exc from None
-        self._tg = tg
+        self._tg = await start_running(self.run)
         return self
 
     async def __aexit__(
@@ -143,9 +134,4 @@ class EnginePool:
     ) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        tg.cancel_scope.cancel()
-        if isinstance(exc, Exception):
-            # The block's own error propagates as it is, not wrapped in a group.
-            await tg.__aexit__(None, None, None)
-            return None
-        return await tg.__aexit__(exc_type, exc, tb)
+        return await stop_running(tg, exc_type, exc, tb)
