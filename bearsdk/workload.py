@@ -495,7 +495,7 @@ def alpaca_prompts(
 
     Args:
         alpaca_dir: The AlpacaEval folder (default: ``alpaca_eval`` in the shared data).
-        models: Models (table columns; default: the FuseChat Llama pool).
+        models: Models (table columns; default: the FuseChat-3.0 pool).
         prompt_ids: Prompts to keep (default: all).
 
     Raises:
@@ -503,7 +503,7 @@ def alpaca_prompts(
         PredictorError: A table is malformed or lacks a model.
     """
     from bearsdk.predictors.dataset import ALPACA_CHARS_PER_TOKEN, read_alpaca_eval
-    from bearsdk.predictors.pool import FUSECHAT_LLAMA_POOL, ModelSpec
+    from bearsdk.predictors.pool import FUSECHAT3_POOL, ModelSpec
 
     if alpaca_dir is None:
         from bearsdk.estimators.dense import shared_data_dir
@@ -514,7 +514,7 @@ def alpaca_prompts(
         alpaca_dir = root / "alpaca_eval"
     if not (Path(alpaca_dir) / "prompts.csv").is_file():
         raise FileNotFoundError(f"AlpacaEval: {alpaca_dir} has no prompts.csv")
-    names = list(models) if models is not None else [m.name for m in FUSECHAT_LLAMA_POOL]
+    names = list(models) if models is not None else [m.name for m in FUSECHAT3_POOL]
     data = read_alpaca_eval(alpaca_dir, tuple(ModelSpec(m) for m in names))
     n = len(data.prompts)
     acc = np.full((n, len(names)), np.nan)

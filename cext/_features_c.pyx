@@ -701,3 +701,38 @@ def predict_pool(FeatureExtractor fx, str text, double[:, ::1] x, tuple forests,
                     out[h, r] = lo[h]
                 elif out[h, r] > hi[h]:
                     out[h, r] = hi[h]
+
+
+def add_linear(const double[:, ::1] x, Py_ssize_t p, Py_ssize_t model_col,
+               const double[:, ::1] weights, const double[::1] intercept,
+               double[::1] out, double lo, double hi):
+    """Add each row's model-specific linear term to ``out``, then clip to ``[lo, hi]``.
+
+    Row ``r`` is for model ``m = x[r, model_col]``: ``out[r] += (sum over j < p
+    of x[r, j] * weights[m, j]) + intercept[m]``, the products summed in feature
+    order from 0.0 (as the pure-Python twin does, so both give the same bits).
+    """
+    cdef Py_ssize_t r, j, m = 0, bad = -1, n = x.shape[0], k = weights.shape[0]
+    cdef double acc, v, mid = 0.0
+    if p < 0 or p > x.shape[1] or p > weights.shape[1] or not 0 <= model_col < x.shape[1]:
+        raise ValueError("p and model_col must index the columns of x and weights")
+    if intercept.shape[0] != k or out.shape[0] != n:
+        raise ValueError("intercept must match weights' rows and out must match x's rows")
+    with nogil:
+        for r in range(n):
+            mid = x[r, model_col]
+            m = <Py_ssize_t>mid
+            if not (0 <= mid < k) or <double>m != mid:
+                bad = r
+                break
+            acc = 0.0
+            for j in range(p):
+                acc = acc + x[r, j] * weights[m, j]
+            v = out[r] + (acc + intercept[m])
+            if v < lo:
+                v = lo
+            elif v > hi:
+                v = hi
+            out[r] = v
+    if bad >= 0:
+        raise ValueError(f"row {bad}: model id {mid!r} is not one of 0..{k - 1}")

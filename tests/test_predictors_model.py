@@ -216,7 +216,7 @@ def test_corrupt_and_foreign_files_give_clear_errors(pred: Predictor, tmp_path: 
         (_meta(good, format="something.else"), "does not describe a 'bearsdk.predictor' file"),
         (
             _meta(good, format_version=999),
-            r"format version 999, this bearsdk .* reads format version 1",
+            r"format version 999, this bearsdk .* reads format version 2",
         ),
         (_meta(good, feature_version=7), "prompt features are version 7"),
         (
@@ -235,7 +235,7 @@ def test_corrupt_and_foreign_files_give_clear_errors(pred: Predictor, tmp_path: 
     with pytest.raises(PredictorFormatError, match="cannot be read"):
         Predictor.load(tmp_path / "missing.bearpred")
     with pytest.raises(PredictorFormatError, match="retrain"):
-        decode_predictor(_meta(good, format_version=2))
+        decode_predictor(_meta(good, format_version=1))  # before the relative head
 
 
 def test_default_predictor_ships_and_predicts() -> None:

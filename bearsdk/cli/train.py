@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -53,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--pool",
         default=None,
-        help="built-in pool (qwen3, fusechat-llama), a JSON file of models, or 'all' for "
-        "every AlpacaEval model (default: fusechat-llama for AlpacaEval, else qwen3)",
+        help="built-in pool (qwen3, fusechat3, fusechat-llama), a JSON file of models, or "
+        "'all' for every AlpacaEval model (default: fusechat3 for AlpacaEval, else qwen3)",
     )
     p.add_argument("--traces", default="../shared/data", help="shared data folder (--synthetic)")
     p.add_argument("--prompts-per-task", type=int, default=600, help="synthetic prompts per task")
@@ -68,6 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="length quantile heads, e.g. 0.5,0.9 or none",
     )
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--no-relative",
+        action="store_true",
+        help="do not fit the relative-accuracy head (the pool's order then follows its means)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_run)
 
@@ -89,7 +95,7 @@ def _load(args: argparse.Namespace) -> tuple[object, str]:
             raise PredictorError(
                 "--data", "is a folder without prompts.csv (not AlpacaEval)", str(data)
             )
-        pool = args.pool or "fusechat-llama"
+        pool = args.pool or "fusechat3"
         return read_alpaca_eval(data, "all" if pool == "all" else load_pool(pool)), "alpaca_eval"
     return read_jsonl(data, load_pool(args.pool or "qwen3")), "jsonl"
 
@@ -101,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     from bearsdk.predictors.training import TrainConfig, train_predictor
 
     data, kind = _load(args)
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v
         for k, v in (
             ("n_estimators", args.n_estimators),
@@ -109,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
             ("num_leaves", args.num_leaves),
             ("quantiles", args.quantiles),
             ("seed", args.seed),
+            ("relative_head", False if args.no_relative else None),
         )
         if v is not None
     }
@@ -134,6 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         "rows_accuracy": pred.info["n_rows_accuracy"],
         "rows_output_tokens": pred.info["n_rows_output_tokens"],
         "source": pred.info["source"],
+        "relative_head": pred.info.get("relative_head", {"fitted": False}),
     }
     if args.json:
         sys.stdout.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode() + "\n")
@@ -145,4 +153,13 @@ def _run(args: argparse.Namespace) -> int:
             f"  data:   {summary['prompts']} prompts, {summary['rows_accuracy']} accuracy rows, "
             f"{summary['rows_output_tokens']} length rows ({summary['source']})"
         )
+        rel = pred.relative
+        if rel is not None:
+            print(
+                f"  relative-accuracy head: penalty {rel.penalty:g}, held-out Spearman "
+                f"{rel.loo_spearman_gain:+.4f} over the means ({rel.n_prompts} prompts)"
+            )
+        else:
+            reason = summary["relative_head"].get("reason", "disabled")
+            print(f"  relative-accuracy head: not fitted ({reason})")
     return 0

@@ -23,6 +23,7 @@ from bearsdk.predictors.dataset import TrainingSet, read_alpaca_eval, read_jsonl
 from bearsdk.predictors.errors import PredictorError, PredictorFormatError
 from bearsdk.predictors.features import FEATURE_VERSION, FeaturePipeline
 from bearsdk.predictors.pool import (
+    FUSECHAT3_POOL,
     FUSECHAT_LLAMA_POOL,
     POOLS,
     QWEN3_POOL,
@@ -30,6 +31,7 @@ from bearsdk.predictors.pool import (
     load_pool,
 )
 from bearsdk.predictors.predictor import PoolPrediction, Predictor
+from bearsdk.predictors.relative import RelativeAccuracy
 from bearsdk.predictors.serialize import FORMAT_VERSION
 from bearsdk.predictors.tokens import PromptTokenCounter, TokenizerLike, load_tokenizer
 from bearsdk.predictors.training import TrainConfig, train_predictor
@@ -37,6 +39,7 @@ from bearsdk.predictors.training import TrainConfig, train_predictor
 __all__ = [
     "FEATURE_VERSION",
     "FORMAT_VERSION",
+    "FUSECHAT3_POOL",
     "FUSECHAT_LLAMA_POOL",
     "IMPLEMENTATION",
     "POOLS",
@@ -48,6 +51,7 @@ __all__ = [
     "PredictorError",
     "PredictorFormatError",
     "PromptTokenCounter",
+    "RelativeAccuracy",
     "TokenizerLike",
     "TrainConfig",
     "TrainingSet",

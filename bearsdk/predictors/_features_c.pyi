@@ -54,3 +54,13 @@ def predict_pool(
     hi: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
 ) -> None: ...
+def add_linear(
+    x: npt.NDArray[np.float64],
+    p: int,
+    model_col: int,
+    weights: npt.NDArray[np.float64],
+    intercept: npt.NDArray[np.float64],
+    out: npt.NDArray[np.float64],
+    lo: float,
+    hi: float,
+) -> None: ...

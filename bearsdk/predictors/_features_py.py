@@ -28,7 +28,14 @@ import numpy.typing as npt
 
 from bearsdk.predictors import _lexicon as lx
 
-__all__ = ["IMPLEMENTATION", "FeatureExtractor", "hash_counts", "predict_pool", "token_hash"]
+__all__ = [
+    "IMPLEMENTATION",
+    "FeatureExtractor",
+    "add_linear",
+    "hash_counts",
+    "predict_pool",
+    "token_hash",
+]
 
 IMPLEMENTATION: Final = "python"
 
@@ -229,3 +236,38 @@ def predict_pool(
     for h, forest in enumerate(forests):
         forest.predict_into(x, out[h])
         np.clip(out[h], lo[h], hi[h], out=out[h])
+
+
+def add_linear(
+    x: npt.NDArray[np.float64],
+    p: int,
+    model_col: int,
+    weights: npt.NDArray[np.float64],
+    intercept: npt.NDArray[np.float64],
+    out: npt.NDArray[np.float64],
+    lo: float,
+    hi: float,
+) -> None:
+    """Add each row's model-specific linear term to ``out``, then clip to ``[lo, hi]``.
+
+    Row ``r`` is for model ``m = x[r, model_col]``: ``out[r] += (sum over j < p
+    of x[r, j] * weights[m, j]) + intercept[m]``, the products summed in feature
+    order from 0.0 (as the compiled kernel does, so both give the same bits).
+    """
+    k = weights.shape[0]
+    if not 0 <= p <= min(x.shape[1], weights.shape[1]) or not 0 <= model_col < x.shape[1]:
+        raise ValueError("p and model_col must index the columns of x and weights")
+    if intercept.shape[0] != k or out.shape[0] != x.shape[0]:
+        raise ValueError("intercept must match weights' rows and out must match x's rows")
+    w = weights[:, :p].tolist()
+    b = intercept.tolist()
+    for r, row in enumerate(x.tolist()):
+        mid = row[model_col]
+        m = int(mid) if 0 <= mid < k else -1
+        if m < 0 or m != mid:
+            raise ValueError(f"row {r}: model id {mid!r} is not one of 0..{k - 1}")
+        acc = 0.0
+        for xv, wv in zip(row[:p], w[m], strict=True):
+            acc = acc + xv * wv
+        v = float(out[r]) + (acc + b[m])
+        out[r] = lo if v < lo else (hi if v > hi else v)

@@ -29,6 +29,7 @@ __all__ = [
     "Backend",
     "FeatureExtractor",
     "Forest",
+    "add_linear",
     "backend",
     "hash_counts",
     "implementations",
@@ -43,11 +44,17 @@ _NO_EXT = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower() not in (
 )
 
 if TYPE_CHECKING:
-    from bearsdk.predictors._features_py import FeatureExtractor, hash_counts, predict_pool
+    from bearsdk.predictors._features_py import (
+        FeatureExtractor,
+        add_linear,
+        hash_counts,
+        predict_pool,
+    )
     from bearsdk.predictors._forest_py import Forest
 else:
     FeatureExtractor = _features_py.FeatureExtractor
     Forest = _forest_py.Forest
+    add_linear = _features_py.add_linear
     hash_counts = _features_py.hash_counts
     predict_pool = _features_py.predict_pool
     if not _NO_EXT:
@@ -55,6 +62,7 @@ else:
             from bearsdk.predictors._features_c import (
                 FeatureExtractor,
                 Forest,
+                add_linear,
                 hash_counts,
                 predict_pool,
             )
@@ -97,6 +105,7 @@ class Backend:
         hash_counts: Signed feature-hashing counts of a prompt.
         token_hash: The 64-bit hash of a lowercased token.
         predict_pool: Features plus every head for one prompt, in one call.
+        add_linear: Adds the relative-accuracy head's linear term to rows.
     """
 
     name: str
@@ -105,6 +114,7 @@ class Backend:
     hash_counts: Callable[[str, int], tuple[npt.NDArray[np.int64], int]]
     token_hash: Callable[[str], int]
     predict_pool: Callable[..., None]
+    add_linear: Callable[..., None]
 
 
 def implementations() -> dict[str, Backend]:
@@ -117,6 +127,7 @@ def implementations() -> dict[str, Backend]:
             _features_py.hash_counts,
             _features_py.token_hash,
             _features_py.predict_pool,
+            _features_py.add_linear,
         )
     }
     try:
@@ -130,6 +141,7 @@ def implementations() -> dict[str, Backend]:
         _features_c.hash_counts,
         _features_c.token_hash,
         _features_c.predict_pool,
+        _features_c.add_linear,
     )
     return out
 

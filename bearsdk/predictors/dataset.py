@@ -32,7 +32,7 @@ import numpy.typing as npt
 import orjson
 
 from bearsdk.predictors.errors import PredictorError
-from bearsdk.predictors.pool import FUSECHAT_LLAMA_POOL, ModelSpec
+from bearsdk.predictors.pool import FUSECHAT3_POOL, ModelSpec
 
 __all__ = [
     "ALPACA_CHARS_PER_TOKEN",
@@ -200,7 +200,7 @@ def alpaca_models(alpaca_dir: str | Path) -> list[str]:
 
 
 def read_alpaca_eval(
-    alpaca_dir: str | Path, pool: Sequence[ModelSpec] | str = FUSECHAT_LLAMA_POOL
+    alpaca_dir: str | Path, pool: Sequence[ModelSpec] | str = FUSECHAT3_POOL
 ) -> TrainingSet:
     """Read the AlpacaEval tables (see the module docstring) for a pool of its models.
 

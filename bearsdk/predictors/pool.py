@@ -7,10 +7,17 @@ length into a predicted cost. Two pools ship:
 * :data:`QWEN3_POOL`: the paper's pool, Qwen3-0.6B/8B/32B, priced as in its
   Table 1 (Alibaba Cloud Model Studio, non-thinking mode, USD per million tokens).
   The shipped default predictor covers it.
-* :data:`FUSECHAT_LLAMA_POOL`: the default real-data pool, FuseChat
-  Llama-3.2-1B / 3.2-3B / 3.1-8B, three sizes of one family with AlpacaEval
-  judgements and output lengths. No provider prices these models; their prices
-  are interpolated from Table 1 in log parameter count (illustrative only).
+* :data:`FUSECHAT3_POOL`: the default real-data pool, three sizes of the
+  FuseChat-3.0 family (one fusion recipe applied to different targets):
+  Llama-3.2-1B, Qwen-2.5-7B and Gemma-2-9B, with AlpacaEval judgements and
+  output lengths. Its two larger models are close on average but not on every
+  kind of prompt, so the best model changes from prompt to prompt.
+* :data:`FUSECHAT_LLAMA_POOL`: FuseChat Llama-3.2-1B / 3.2-3B / 3.1-8B, one
+  architecture in three sizes; the larger model is better on almost every kind
+  of prompt (docs/predictors.md compares the two).
+
+No provider prices the FuseChat models; their prices are interpolated from
+Table 1 in log parameter count (illustrative only).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import orjson
 from bearsdk.predictors.errors import PredictorError
 
 __all__ = [
+    "FUSECHAT3_POOL",
     "FUSECHAT_LLAMA_POOL",
     "POOLS",
     "QWEN3_POOL",
@@ -110,9 +118,20 @@ FUSECHAT_LLAMA_POOL: Final = (
     ModelSpec("FuseChat-Llama-3.2-3B-Instruct", 3.21, 131072, 0.0621, 0.247),
     ModelSpec("FuseChat-Llama-3.1-8B-Instruct", 8.03, 131072, 0.0720, 0.287),
 )
+"""One architecture in three sizes; prices interpolated from Table 1 (illustrative)."""
+
+FUSECHAT3_POOL: Final = (
+    ModelSpec("FuseChat-Llama-3.2-1B-Instruct", 1.24, 131072, 0.0518, 0.205),
+    ModelSpec("FuseChat-Qwen-2.5-7B-Instruct", 7.62, 32768, 0.0712, 0.284),
+    ModelSpec("FuseChat-Gemma-2-9B-Instruct", 9.24, 8192, 0.0905, 0.317),
+)
 """The default real-data pool; prices interpolated from Table 1 (illustrative)."""
 
-POOLS: Final = {"qwen3": QWEN3_POOL, "fusechat-llama": FUSECHAT_LLAMA_POOL}
+POOLS: Final = {
+    "qwen3": QWEN3_POOL,
+    "fusechat3": FUSECHAT3_POOL,
+    "fusechat-llama": FUSECHAT_LLAMA_POOL,
+}
 """Built-in pools by name."""
 
 

@@ -2,7 +2,9 @@
 
 :class:`Predictor` bundles what appendix A.4 describes: the prompt feature
 pipeline, the pool's model features and prices, and LightGBM heads (accuracy:
-Huber regression; output length: mean regression; optional length quantiles).
+Huber regression; output length: mean regression; optional length quantiles),
+plus, where training found one, the relative-accuracy head that reorders the
+pool per prompt (:mod:`bearsdk.predictors.relative`).
 One call predicts for the whole pool: the prompt's features are computed once,
 the rows of all models are stacked, and each head's trees are walked for all rows
 in one compiled call. The cost of model ``j`` is::
@@ -30,6 +32,7 @@ from bearsdk.predictors._forest import TreeEnsemble
 from bearsdk.predictors.errors import PredictorError, PredictorFormatError
 from bearsdk.predictors.features import FeaturePipeline
 from bearsdk.predictors.pool import ModelSpec
+from bearsdk.predictors.relative import RelativeAccuracy
 from bearsdk.predictors.tokens import PromptTokenCounter, TokenizerLike
 
 __all__ = [
@@ -165,6 +168,7 @@ class Predictor:
             optionally quantile heads named by :func:`quantile_head`.
         quantiles: Quantile level of each quantile head, by head name.
         info: Provenance (data source, configuration, training metrics); JSON-able.
+        relative: The relative-accuracy head (reorders the pool per prompt), if trained.
         tokens: Prompt token counter (built from the pool when omitted).
     """
 
@@ -173,6 +177,7 @@ class Predictor:
     heads: dict[str, TreeEnsemble]
     quantiles: dict[str, float] = attrs.field(factory=dict)
     info: dict[str, Any] = attrs.field(factory=dict)
+    relative: RelativeAccuracy | None = None
     tokens: PromptTokenCounter = attrs.field(
         default=attrs.Factory(_default_counter, takes_self=True)
     )
@@ -206,6 +211,15 @@ class Predictor:
                     f"heads.{name}",
                     f"reads {ens.n_features} features, the pipeline makes {n_features}",
                 )
+        rel = self.relative
+        if rel is not None and (
+            rel.n_models != len(self.pool) or rel.n_features != self.pipeline.n_features
+        ):
+            raise PredictorFormatError(
+                "relative",
+                f"must map {self.pipeline.n_features} prompt features to {len(self.pool)} models",
+                rel.weights.shape,
+            )
         self._forests = {
             name: _impl.Forest(**ens.evaluator_args()) for name, ens in self.heads.items()
         }
@@ -220,8 +234,10 @@ class Predictor:
         self._qlevels = tuple(q for q, _ in self._qheads)
         order = self.head_order
         self._heads = tuple(self._forests[name] for name in order)
-        self._lo = np.array([0.0] + [1.0] * (len(order) - 1))
-        self._hi = np.array([1.0] + [np.inf] * (len(order) - 1))
+        # With a relative head the accuracy is clipped after its correction is added.
+        acc_lo, acc_hi = (0.0, 1.0) if rel is None else (-np.inf, np.inf)
+        self._lo = np.array([acc_lo] + [1.0] * (len(order) - 1))
+        self._hi = np.array([acc_hi] + [np.inf] * (len(order) - 1))
         if self.tokens.models != tuple(m.name for m in self.pool):
             raise PredictorError("tokens", "must count for the pool's models", self.tokens.models)
 
@@ -282,6 +298,8 @@ class Predictor:
         heads = self._heads if quantiles else self._heads[:2]
         out = np.empty((len(heads), x.shape[0]))
         _impl.predict_pool(self.pipeline.extractor, prompt, x, heads, self._lo, self._hi, out)
+        if self.relative is not None:
+            self.relative.add_to(x, self.pipeline.n_features, out[0])
         qs: dict[float, npt.NDArray[np.float64]] = {}
         if self._qlevels and quantiles:
             # Independently trained quantile heads can cross; keep them ordered.
@@ -320,6 +338,11 @@ class Predictor:
             v = np.empty(x.shape[0])
             forest.predict_into(x, v)
             if name == ACCURACY:
+                if self.relative is not None:
+                    try:
+                        self.relative.add_to(x, self.pipeline.n_features, v)
+                    except ValueError as exc:
+                        raise PredictorError("x", f"model_id column: {exc}") from None
                 np.clip(v, 0.0, 1.0, out=v)
             else:
                 np.maximum(v, 1.0, out=v)

@@ -7,6 +7,8 @@ Layout of a ``.bearpred`` file (a zip archive, members in this order)::
     pipeline/components.npy       int32[hash_dim, n_components]
     pipeline/offset.npy           float64[n_components]
     heads/<head>/<array>.npy      the flat tree arrays of each head
+    relative/weights.npy          float64[n_prompt_features, n_models] (if the predictor
+    relative/intercept.npy        float64[n_models]                     has the head)
 
 Arrays are ``.npy`` blobs (read without pickle), so a save/load round trip is
 exact, and every member carries a CRC-32 that catches corruption. Timestamps and
@@ -37,6 +39,7 @@ from bearsdk.predictors.errors import PredictorError, PredictorFormatError
 from bearsdk.predictors.features import FEATURE_VERSION, FeaturePipeline
 from bearsdk.predictors.pool import pool_from_dicts
 from bearsdk.predictors.predictor import Predictor
+from bearsdk.predictors.relative import RelativeAccuracy
 
 __all__ = [
     "FILE_NAME",
@@ -49,7 +52,7 @@ __all__ = [
 ]
 
 FORMAT: Final = "bearsdk.predictor"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 """Version of the archive layout; a file of another version is refused on load."""
 FILE_NAME: Final = "predictor.bearpred"
 """File name used when a folder is given to save or load."""
@@ -89,6 +92,7 @@ def encode_predictor(pred: Predictor) -> bytes:
         },
         "feature_names": list(pred.feature_names),
         "info": pred.info,
+        "relative": None if pred.relative is None else pred.relative.info(),
     }
     members: list[tuple[str, bytes]] = [
         ("meta.json", orjson.dumps(meta, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)),
@@ -98,6 +102,9 @@ def encode_predictor(pred: Predictor) -> bytes:
     for name, ens in sorted(pred.heads.items()):
         for field, arr in ens.arrays().items():
             members.append((f"heads/{name}/{field}.npy", _npy(arr)))
+    if pred.relative is not None:
+        members.append(("relative/weights.npy", _npy(pred.relative.weights)))
+        members.append(("relative/intercept.npy", _npy(pred.relative.intercept)))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for name, data in members:
@@ -184,6 +191,24 @@ def _array(zf: zipfile.ZipFile, name: str) -> npt.NDArray[Any]:
     return arr
 
 
+def _relative(zf: zipfile.ZipFile, meta: dict[str, Any]) -> RelativeAccuracy | None:
+    rel = meta.get("relative")
+    if rel is None:
+        return None
+    if not isinstance(rel, dict):
+        raise PredictorFormatError("relative", "must be a JSON object or null")
+    penalty, gain, n = rel.get("penalty"), rel.get("loo_spearman_gain"), rel.get("n_prompts")
+    if not isinstance(penalty, float):
+        raise PredictorFormatError("relative.penalty", "must be a number", penalty)
+    if not isinstance(gain, float):
+        raise PredictorFormatError("relative.loo_spearman_gain", "must be a number", gain)
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise PredictorFormatError("relative.n_prompts", "must be an int", n)
+    return RelativeAccuracy(
+        _array(zf, "relative/weights.npy"), _array(zf, "relative/intercept.npy"), penalty, gain, n
+    )
+
+
 def _decode(zf: zipfile.ZipFile) -> Predictor:
     try:
         raw_meta = zf.read("meta.json")
@@ -234,7 +259,7 @@ def _decode(zf: zipfile.ZipFile) -> Predictor:
             if not isinstance(q, float):
                 raise PredictorFormatError(f"heads.{name}.quantile", "must be a number", q)
             quantiles[name] = q
-    pred = Predictor(pipeline, pool, heads, quantiles, meta["info"])
+    pred = Predictor(pipeline, pool, heads, quantiles, meta["info"], _relative(zf, meta))
     if list(pred.feature_names) != meta["feature_names"]:
         raise PredictorFormatError(
             "feature_names", "differ from the features this bearsdk computes; retrain the predictor"

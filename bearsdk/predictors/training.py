@@ -7,7 +7,10 @@ evaluation, and trains
 * ``accuracy``: a LightGBM Huber regressor on the judge scores;
 * ``output_tokens``: a LightGBM mean (L2) regressor on completion-token counts;
 * optionally quantile regressors of the output length (``output_tokens_p50``,
-  ``output_tokens_p90``) for uncertainty.
+  ``output_tokens_p90``) for uncertainty;
+* the relative-accuracy head (:mod:`bearsdk.predictors.relative`): a ridge model
+  of each model's score relative to the pool on the same prompt, which reorders
+  the pool per prompt where the data supports it and is left out where not.
 
 Every head reads the same rows, with the model id as a categorical feature. Runs
 are deterministic (one thread, fixed seeds). The result is flattened into
@@ -34,6 +37,7 @@ from bearsdk.predictors.predictor import (
     feature_matrix,
     quantile_head,
 )
+from bearsdk.predictors.relative import fit_relative_accuracy
 
 __all__ = ["TrainConfig", "train_predictor"]
 
@@ -77,6 +81,8 @@ class TrainConfig:
         lambda_l2: L2 regularisation of leaf values.
         huber_delta: Huber transition point of the accuracy head (scores are in [0, 1]).
         quantiles: Output-length quantile heads to train (empty: none).
+        relative_head: Also fit the relative-accuracy head (kept only where it
+            predicts held-out prompts better than none).
         hash_dim: Feature-hashing buckets.
         n_components: PCA components kept.
         seed: Seed of every random choice.
@@ -91,6 +97,7 @@ class TrainConfig:
     lambda_l2: float = 1.0
     huber_delta: float = 0.3
     quantiles: tuple[float, ...] = attrs.field(default=(0.5, 0.9), validator=_levels)
+    relative_head: bool = True
     hash_dim: int = attrs.field(default=DEFAULT_HASH_DIM, validator=_positive_int)
     n_components: int = attrs.field(default=DEFAULT_N_COMPONENTS, validator=_positive_int)
     seed: int = 0
@@ -219,6 +226,14 @@ def train_predictor(
             lx, ly, lm, m, model_col, config.lgb_params("quantile", alpha=q), config.n_estimators, q
         )
         quantiles[name] = q
+    relative = None
+    rel_record: dict[str, Any] = {}
+    if config.relative_head:
+        scores = np.full((len(data.prompts), m), np.nan)
+        scores[data.prompt_index[has_acc], data.model_index[has_acc]] = data.accuracy[has_acc]
+        prompt_x = np.zeros((len(data.prompts), pipeline.n_features))
+        prompt_x[data.prompt_index] = x[:, : pipeline.n_features]
+        relative, rel_record = fit_relative_accuracy(prompt_x, scores)
     record: dict[str, Any] = {
         "source": data.source,
         "n_prompts": len(data.prompts),
@@ -226,8 +241,10 @@ def train_predictor(
         "n_rows_output_tokens": int(has_len.sum()),
         "config": _config_dict(config),
     }
+    if config.relative_head:
+        record["relative_head"] = rel_record
     record.update(info or {})
-    return Predictor(pipeline, pool, heads, quantiles, record)
+    return Predictor(pipeline, pool, heads, quantiles, record, relative)
 
 
 def _config_dict(config: TrainConfig) -> dict[str, Any]:

@@ -145,13 +145,13 @@ def load_predictor(cfg: SimConfig) -> Predictor:
         return Predictor.load_default()
     if kind == "alpaca-eval":
         from bearsdk.predictors.dataset import read_alpaca_eval
-        from bearsdk.predictors.pool import FUSECHAT_LLAMA_POOL, ModelSpec
+        from bearsdk.predictors.pool import POOLS, ModelSpec
         from bearsdk.predictors.training import TrainConfig, train_predictor
 
         data = _data_dir(cfg)
         if data is None:
             raise FileNotFoundError("router.predictor = 'alpaca-eval' needs the shared data")
-        known = {m.name: m for m in FUSECHAT_LLAMA_POOL}
+        known = {m.name: m for pool in POOLS.values() for m in pool}
         models: list[str] = []
         for s in cfg.pool:
             if s.model not in models:
