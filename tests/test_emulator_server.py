@@ -563,3 +563,41 @@ async def test_pool_runs_several_engines_on_one_loop() -> None:
             for url in pool.urls * 2:
                 tg.start_soon(run, url)
         assert results == [5] * 6
+
+
+async def test_known_answers_set_the_natural_length() -> None:
+    answers = {"Name three rivers.": 7, "Write a long essay on rivers.": 40}
+    cfg = EngineConfig(profile=PROFILE, served_model_name="my-model", answer_lengths=answers)
+    async with EmulatedEngine(cfg) as engine, aiohttp.ClientSession() as http:
+        chat = engine.url + "/v1/chat/completions"
+        for text, n in answers.items():
+            # The chat's last user message is the key; earlier turns do not matter.
+            messages = [
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": text},
+            ]
+            async with http.post(chat, json={"model": "my-model", "messages": messages}) as r:
+                out = await r.json()
+            assert out["usage"]["completion_tokens"] == n
+            assert out["choices"][0]["finish_reason"] == "stop"
+        body = {"prompt": "Name three rivers.", "max_tokens": 100}
+        async with http.post(engine.url + "/v1/completions", json=body) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == 7
+        # A cap still cuts a known answer; a forced length still wins.
+        capped = {"messages": [{"role": "user", "content": "Write a long essay on rivers."}]}
+        async with http.post(chat, json={**capped, "max_tokens": 5}) as r:
+            out = await r.json()
+        assert out["usage"]["completion_tokens"] == 5
+        assert out["choices"][0]["finish_reason"] == "length"
+        async with http.post(chat, json={**capped, "bear_output_len": 3}) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == 3
+
+
+def test_known_answers_are_validated() -> None:
+    from bearsdk.emulator import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=r"answer_lengths\['x'\] must map a str to an int"):
+        EngineConfig(answer_lengths={"x": 0})
+    with pytest.raises(EngineConfigError, match="answer_lengths must be a mapping"):
+        EngineConfig(answer_lengths=[("x", 3)])  # type: ignore[arg-type]

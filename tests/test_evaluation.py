@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,34 @@ def test_demo_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert not math.isnan(otu)
     assert plot.read_text().startswith("<svg")
     assert "bear" in plot.read_text()
+
+
+SHARED = Path(os.environ.get("BEARSDK_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+ALPACA = SHARED / "data" / "alpaca_eval"
+
+
+@pytest.mark.skipif(
+    not (ALPACA / "prompts.csv").is_file(), reason="AlpacaEval data (shared) not found"
+)
+def test_demo_on_real_data(capsys: pytest.CaptureFixture[str]) -> None:
+    from bearsdk.cli.demo import ALPACA_INSTANCES, _alpaca, _engines, _Job
+
+    pred, held_out = _alpaca()
+    assert pred.models == tuple(m for _, m, _ in ALPACA_INSTANCES)
+    assert all(it.index % 2 == 1 for it in held_out)  # routed prompts were not trained on
+    configs, items, predictor = _engines(_Job("bear", 6.0, 9, 0, 5e-4, 10.0, "alpaca-eval"))
+    assert predictor is pred
+    by_prompt = {it.prompt: it for it in held_out}
+    for cfg, (name, model, profile) in zip(configs, ALPACA_INSTANCES, strict=True):
+        assert (cfg.instance, cfg.served_model_name, cfg.profile) == (name, model, profile)
+        assert cfg.answer_lengths == {p: it.outputs[model] for p, it in by_prompt.items()}
+    assert [it.index for it in items] == list(range(9))
+    assert all(by_prompt[it.prompt].accuracy == it.accuracy for it in items)
+    argv = ["demo", "--workload", "alpaca-eval", "--rates", "6", "--policies", "bear"]
+    assert main([*argv, "--duration", "1.5", "--jobs", "1", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "FuseChat-Gemma-2-9B-Instruct on llama-3-8b-a100" in out
+    assert "10x slower" in out
+    assert "qwen-7b" in out or "gemma-9b" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith(" *bear"))
+    assert 0.0 <= float(row.split()[1]) <= 1.0

@@ -8,6 +8,14 @@ and arrival rate, each run on fresh engines with the same requests. The table
 shows OnTimeUtility (eq. 6), SLO attainment and where the requests went; the
 plot (SVG, no plotting library needed) shows OnTimeUtility against the rate.
 
+With ``--workload alpaca-eval`` (needs the shared data) the pool is the
+default real-data pool, FuseChat-3.0 Llama-3.2-1B / Qwen-2.5-7B / Gemma-2-9B,
+on the emulator profiles nearest in size; each request is a held-out AlpacaEval
+instruction (odd ids) whose true accuracy on each model is that model's
+AlpacaEval 2.0 judgement, and each engine answers it with that model's real
+answer length; the router's predictor is trained in place on the even ids.
+AlpacaEval data are CC BY-NC 4.0: read in place, for evaluation only.
+
 Runs go in parallel worker processes (``--jobs``, default: one per core) so
 that one run's engines do not steal another's event loop.
 """
@@ -15,6 +23,7 @@ that one run's engines do not steal another's event loop.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -22,18 +31,42 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
+import numpy as np
 
 from bearsdk.emulator.text import Tokenizer
 from bearsdk.evaluation import RunSummary, drive_workload, summarize
 from bearsdk.replay import IMPLEMENTATION
 
-__all__ = ["DEMO_POLICIES", "DEMO_PROFILES", "register", "run_policy"]
+if TYPE_CHECKING:
+    from bearsdk.emulator import EngineConfig
+    from bearsdk.predictors import Predictor
+    from bearsdk.workload import WorkItem
+
+__all__ = [
+    "ALPACA_INSTANCES",
+    "DEMO_POLICIES",
+    "DEMO_PROFILES",
+    "WORKLOADS",
+    "register",
+    "run_policy",
+]
 
 DEMO_PROFILES = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100")
 """The three emulated instances (the paper's pool)."""
+
+ALPACA_INSTANCES = (
+    ("llama-1b", "FuseChat-Llama-3.2-1B-Instruct", "qwen3-0.6b-h100"),
+    ("qwen-7b", "FuseChat-Qwen-2.5-7B-Instruct", "qwen3-8b-h100"),
+    ("gemma-9b", "FuseChat-Gemma-2-9B-Instruct", "llama-3-8b-a100"),
+)
+"""``--workload alpaca-eval``: (instance, served model, emulator profile of the nearest size)."""
+
+WORKLOADS = ("tasks", "alpaca-eval")
+"""The paper's four synthetic tasks, or held-out AlpacaEval prompts with real judgements."""
 
 DEMO_POLICIES = (
     "bear",
@@ -60,6 +93,7 @@ class _Job:
     seed: int
     lam: float
     slowdown: float = 1.0
+    workload: str = "tasks"
 
 
 @attrs.define
@@ -77,16 +111,76 @@ class _TokenizerAdapter:
         return _Encoding(self._tok.pieces(sequence))
 
 
+@functools.cache
+def _alpaca() -> tuple[Predictor, tuple[WorkItem, ...]]:
+    """The real-data predictor (trained on even ids) and the held-out items (odd ids).
+
+    Cached per process: the parent builds it before forking the workers.
+
+    Raises:
+        FileNotFoundError: The AlpacaEval data are not on this machine.
+    """
+    from bearsdk.estimators.dense import shared_data_dir
+    from bearsdk.predictors import FUSECHAT3_POOL, TrainConfig, read_alpaca_eval
+    from bearsdk.predictors.training import train_predictor
+    from bearsdk.workload import alpaca_prompts
+
+    root = shared_data_dir()
+    if root is None or not (root / "alpaca_eval" / "prompts.csv").is_file():
+        raise FileNotFoundError(
+            "--workload alpaca-eval needs the AlpacaEval tables of the shared data "
+            "(shared/data/alpaca_eval); set BEARSDK_SHARED to the shared folder"
+        )
+    data = read_alpaca_eval(root / "alpaca_eval", FUSECHAT3_POOL)
+    even = range(0, len(data.prompts), 2)
+    pred = train_predictor(data.select_prompts(list(even)), TrainConfig(quantiles=()))
+    models = [m for _, m, _ in ALPACA_INSTANCES]
+    items = alpaca_prompts(root / "alpaca_eval", models, prompt_ids=range(1, len(data.prompts), 2))
+    return pred, tuple(items)
+
+
+def _engines(job: _Job) -> tuple[list[EngineConfig], list[WorkItem], Predictor | None]:
+    from bearsdk.emulator import EngineConfig, GroundTruthParams
+    from bearsdk.workload import arrivals, synthetic_workload
+
+    slow = GroundTruthParams(time_scale=job.slowdown)
+    if job.workload == "tasks":
+        configs = [
+            EngineConfig(profile=p, seed=job.seed + i, time_model=slow)
+            for i, p in enumerate(DEMO_PROFILES)
+        ]
+        return configs, synthetic_workload(job.n, job.rate, seed=job.seed), None
+    pred, held_out = _alpaca()
+    rng = np.random.default_rng(job.seed)
+    picks = rng.integers(0, len(held_out), size=job.n)
+    times = arrivals(job.n, job.rate, seed=job.seed + 2)
+    items = [
+        attrs.evolve(held_out[int(j)], index=k, arrival_s=float(times[k]))
+        for k, j in enumerate(picks)
+    ]
+    configs = [
+        EngineConfig(
+            profile=profile,
+            instance=name,
+            served_model_name=model,
+            seed=job.seed + i,
+            time_model=slow,
+            # Each engine answers a prompt with its model's real answer length.
+            answer_lengths={it.prompt: it.outputs[model] for it in held_out},
+        )
+        for i, (name, model, profile) in enumerate(ALPACA_INSTANCES)
+    ]
+    return configs, items, pred
+
+
 async def _run_async(job: _Job) -> RunSummary:
-    from bearsdk.emulator import EnginePool, GroundTruthParams
+    from bearsdk.emulator import EnginePool
     from bearsdk.router import AsyncRouter, InstanceConfig
     from bearsdk.selectors import make_selector
-    from bearsdk.workload import synthetic_workload
 
-    items = synthetic_workload(job.n, job.rate, seed=job.seed)
+    engine_configs, items, predictor = _engines(job)
     t0 = time.perf_counter()
-    slow = GroundTruthParams(time_scale=job.slowdown)
-    async with EnginePool.of(*DEMO_PROFILES, seed=job.seed, time_model=slow) as pool:
+    async with EnginePool(engine_configs) as pool:
         by_name = {e.instance: e for e in pool}
         configs = [
             InstanceConfig(
@@ -108,7 +202,7 @@ async def _run_async(job: _Job) -> RunSummary:
             return None if h is None else (h.plan.prompt_tokens, h.plan.output_len)
 
         policy = make_selector(job.policy, lam=job.lam)
-        router = AsyncRouter(configs, policy)
+        router = AsyncRouter(configs, policy, predictor=predictor)
         for e in pool:
             # Each model's own tokenizer, as a deployment loads its tokenizer.json.
             router.predictor.set_tokenizer(e.model_name, _TokenizerAdapter(e.tokenizer))
@@ -126,7 +220,14 @@ async def _run_async(job: _Job) -> RunSummary:
 
 
 def run_policy(
-    policy: str, rate: float, *, duration_s: float = 10.0, seed: int = 0, lam: float = 5e-4
+    policy: str,
+    rate: float,
+    *,
+    duration_s: float = 10.0,
+    seed: int = 0,
+    lam: float = 5e-4,
+    workload: str = "tasks",
+    slowdown: float = 1.0,
 ) -> RunSummary:
     """One demo run: a fresh emulated pool, ``rate * duration_s`` requests, one policy.
 
@@ -136,9 +237,17 @@ def run_policy(
         duration_s: Span of the arrivals, seconds.
         seed: Seeds the workload and the engines (same seed, same requests).
         lam: Cost weight of the utility.
+        workload: One of :data:`WORKLOADS`.
+        slowdown: Emulated GPUs run this many times slower than their profiles.
+
+    Raises:
+        ValueError: An unknown workload.
+        FileNotFoundError: ``"alpaca-eval"`` without the shared data.
     """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS} (got {workload!r})")
     n = max(1, round(rate * duration_s))
-    return anyio.run(_run_async, _Job(policy, rate, n, seed, lam))
+    return anyio.run(_run_async, _Job(policy, rate, n, seed, lam, slowdown, workload))
 
 
 def _run_job(job: _Job) -> RunSummary:
@@ -155,10 +264,13 @@ def _predicts_ttft(policy: str) -> bool:
     return make_selector(policy).latency in ("bea", "prefill-tps")
 
 
+_ORDER = (*DEMO_PROFILES, *(name for name, _, _ in ALPACA_INSTANCES))
+
+
 def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
     instances = sorted(
         {k for s in summaries for k in s.composition if k},
-        key=lambda k: next((i for i, p in enumerate(DEMO_PROFILES) if k.startswith(p)), 9),
+        key=lambda k: next((i for i, p in enumerate(_ORDER) if k.startswith(p)), 9),
     )
     head = f"  {'policy':17} {'OnTimeUtility':>13} {'SLO':>6} {'TTFT p50':>9} {'p99':>7}  "
     head += " ".join(f"{_short(i):>6}" for i in instances) + "  failed  TTFT pred. error"
@@ -277,17 +389,51 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+_SLOWDOWN = {"tasks": 3.0, "alpaca-eval": 10.0}
+"""Default ``--slowdown`` per workload: AlpacaEval prompts (~40 tokens) prefill in
+microseconds, so its engines must be slower for the TTFT targets to bind."""
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.slowdown is None:
+        args.slowdown = _SLOWDOWN[args.workload]
+    if not (math.isfinite(args.slowdown) and args.slowdown > 0):
+        print(f"bearsdk demo: --slowdown must be > 0 (got {args.slowdown})", file=sys.stderr)
+        return 2
     jobs = [
-        _Job(p, r, max(1, round(r * args.duration)), args.seed, args.lam, args.slowdown)
+        _Job(
+            p,
+            r,
+            max(1, round(r * args.duration)),
+            args.seed,
+            args.lam,
+            args.slowdown,
+            args.workload,
+        )
         for r in args.rates
         for p in args.policies
     ]
     workers = max(1, min(args.jobs or (os.cpu_count() or 1), len(jobs)))
+    if args.workload == "alpaca-eval":
+        try:
+            pred, held_out = _alpaca()  # before forking: the workers inherit it
+        except FileNotFoundError as exc:
+            print(f"bearsdk demo: {exc}", file=sys.stderr)
+            return 2
+        rel = "with" if pred.relative is not None else "without"
+        engines = ", ".join(f"{m} on {p}" for _, m, p in ALPACA_INSTANCES)
+        what = (
+            f"held-out AlpacaEval prompts ({len(held_out)}; predictor trained on the other "
+            f"half, {rel} a relative-accuracy head; data CC BY-NC 4.0, evaluation only)"
+        )
+    else:
+        engines = ", ".join(DEMO_PROFILES)
+        what = "the paper's four tasks"
     print(
         f"bearsdk demo: {len(args.policies)} policies x {len(args.rates)} arrival rates on "
-        f"3 emulated engines ({', '.join(DEMO_PROFILES)}), {args.duration:g} s of Poisson "
-        f"arrivals each, lam={args.lam:g}, replay: {IMPLEMENTATION}, {workers} worker(s)",
+        f"3 emulated engines ({engines}; {args.slowdown:g}x slower), {args.duration:g} s of "
+        f"Poisson arrivals of {what} each, lam={args.lam:g}, replay: {IMPLEMENTATION}, "
+        f"{workers} worker(s)",
         flush=True,
     )
     summaries: list[RunSummary] = []
@@ -352,11 +498,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--slowdown",
         type=float,
-        default=3.0,
-        help="emulated GPUs run this many times slower than the profiled H100s, so that "
-        "rates this machine can emulate in real time saturate them (default 3)",
+        default=None,
+        help="emulated GPUs run this many times slower than their profiles, so that rates "
+        "this machine can emulate in real time load them (default 3; 10 with "
+        "--workload alpaca-eval, whose prompts are short)",
     )
     p.add_argument("--lam", type=float, default=5e-4, help="cost weight (default 5e-4)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="tasks",
+        help="the paper's four tasks on the Qwen3 pool (default), or held-out AlpacaEval "
+        "prompts with real judgements and answer lengths on the FuseChat-3.0 pool "
+        "(needs the shared data)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per core)")
     p.add_argument(

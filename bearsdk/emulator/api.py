@@ -242,6 +242,7 @@ def _plan(
     category: str,
     class_tokens: int,
     seed: int,
+    text: str | None,
 ) -> GenerationPlan:
     mml = engine.max_model_len
     if max_tokens is not None and max_tokens > mml:
@@ -271,11 +272,11 @@ def _plan(
         raise value_error(
             f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens"
         )
-    forced = _forced_len(body, headers)
-    if forced is None:
+    natural = _forced_len(body, headers)
+    if natural is None and text is not None:
+        natural = engine.answer_length(text)
+    if natural is None:
         natural = engine.profile.lengths.sample(category, class_tokens, seed)
-    else:
-        natural = forced
     return engine.plan(
         prompt_tokens,
         natural_len=natural,
@@ -343,6 +344,7 @@ def parse_completion(
         category=category,
         class_tokens=prompt_tokens,
         seed=seed,
+        text=prompt if isinstance(prompt, str) else None,
     )
     return ParsedRequest(
         False,
@@ -391,6 +393,7 @@ def parse_chat(body: Any, headers: Mapping[str, str], engine: EmulatedEngine) ->
         category=classify_prompt(last, chat=True),
         class_tokens=max(1, tok.count(last)),
         seed=prompt_seed(engine.model_name, rendered),
+        text=last,
     )
     return ParsedRequest(
         True,

@@ -95,6 +95,11 @@ class EngineConfig:
         batch_buffer: Unsent records a ``/bear/batches`` reader may have.
         log_size: Finished-request and batch records kept in memory.
         serve_http: Serve the HTTP API (``False``: in-process use only).
+        answer_lengths: Known answers: the natural output length, in tokens, of
+            prompts whose text (a completion's prompt, a chat's last user
+            message) is a key, as when replaying a dataset's real answers
+            (``bearsdk demo --workload alpaca-eval``). Other prompts draw from the
+            profile's length model; ``bear_output_len`` still overrides both.
     """
 
     profile: str = "qwen3-8b-h100"
@@ -112,6 +117,7 @@ class EngineConfig:
     batch_buffer: int = 4096
     log_size: int = 10_000
     serve_http: bool = True
+    answer_lengths: Mapping[str, int] = attrs.field(factory=dict, hash=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         _config_check(0 <= self.port <= 65535, "port", "must be in [0, 65535]", self.port)
@@ -123,6 +129,15 @@ class EngineConfig:
         _config_check(self.log_size >= 1, "log_size", "must be >= 1", self.log_size)
         if not isinstance(self.params, Mapping):
             raise EngineConfigError(f"params must be a mapping (got {self.params!r})")
+        if not isinstance(self.answer_lengths, Mapping):
+            raise EngineConfigError(
+                f"answer_lengths must be a mapping (got {type(self.answer_lengths).__name__})"
+            )
+        for text, n in self.answer_lengths.items():
+            if not isinstance(text, str) or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise EngineConfigError(
+                    f"answer_lengths[{str(text)[:40]!r}] must map a str to an int >= 1 (got {n!r})"
+                )
 
 
 @attrs.frozen
@@ -450,6 +465,10 @@ class EmulatedEngine:
     def tokenizer(self) -> Tokenizer:
         """The stand-in tokenizer."""
         return self._tokenizer
+
+    def answer_length(self, text: str) -> int | None:
+        """The known natural output length of a prompt (``EngineConfig.answer_lengths``)."""
+        return self._config.answer_lengths.get(text)
 
     @property
     def time_model(self) -> GroundTruthTimeModel:
