@@ -65,6 +65,7 @@ def test_held_out_predictions_beat_the_per_model_mean() -> None:
     assert pred.picked_accuracy > base.picked_accuracy
     mean, se = report.differences["spearman"]
     assert mean > se
+    assert report.relative_folds == 3
 
 
 @needs_alpaca

@@ -265,6 +265,7 @@ def _print_quality(q: dict[str, Any]) -> None:
         ds = f"{d[0]:+.4f} ({d[1]:.4f})" if d else ""
         print(f"{key:<28} {a:>10.4f} {b:>10.4f} {ds:>20}")
     print(f"oracle accuracy (best model per prompt): {q['oracle_accuracy']:.4f}")
+    print(f"relative-accuracy head kept on {q['relative_folds']} of {q['folds']} folds")
     print(f"data: {q['attribution']}")
 
 

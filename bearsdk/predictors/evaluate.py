@@ -101,6 +101,7 @@ class EvalReport:
         oracle_accuracy: Mean accuracy of the truly best model per prompt.
         per_model: Held-out accuracy MAE and length MAE per model, for both methods.
         source: Data source.
+        relative_folds: Folds whose predictor kept the relative-accuracy head.
     """
 
     models: tuple[str, ...]
@@ -112,6 +113,7 @@ class EvalReport:
     oracle_accuracy: float
     per_model: dict[str, dict[str, float]]
     source: str
+    relative_folds: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -229,10 +231,12 @@ def cross_validate(
     len_base = np.full(data.n_rows, np.nan)
     p90_name = quantile_head(0.9)
     has_p90 = 0.9 in config.quantiles
+    relative_folds = 0
     for k in range(folds):
         train_ids = np.flatnonzero(fold_of != k)
         train = data.select_prompts(train_ids)
         pred = train_predictor(train, config)
+        relative_folds += pred.relative is not None
         rows = np.flatnonzero(fold_of[data.prompt_index] == k)
         x = pred.feature_rows(data.prompts, data.prompt_index[rows], data.model_index[rows])
         out = pred.predict_rows(x)
@@ -275,4 +279,5 @@ def cross_validate(
         oracle_accuracy=float(best[np.isfinite(best)].mean()),
         per_model=per_model,
         source=data.source,
+        relative_folds=relative_folds,
     )
