@@ -111,7 +111,9 @@ def test_demo_on_real_data(capsys: pytest.CaptureFixture[str]) -> None:
     assert pred.models == tuple(m for _, m, _ in ALPACA_INSTANCES)
     assert all(it.index % 2 == 1 for it in held_out)  # routed prompts were not trained on
     configs, items, predictor = _engines(_Job("bear", 6.0, 9, 0, 5e-4, 10.0, "alpaca-eval"))
-    assert predictor is pred
+    assert predictor is not None
+    assert predictor.relative is pred.relative  # the trained heads, a fresh token counter
+    assert predictor.tokens is not pred.tokens
     by_prompt = {it.prompt: it for it in held_out}
     for cfg, (name, model, profile) in zip(configs, ALPACA_INSTANCES, strict=True):
         assert (cfg.instance, cfg.served_model_name, cfg.profile) == (name, model, profile)

@@ -150,7 +150,17 @@ def _engines(job: _Job) -> tuple[list[EngineConfig], list[WorkItem], Predictor |
             for i, p in enumerate(DEMO_PROFILES)
         ]
         return configs, synthetic_workload(job.n, job.rate, seed=job.seed), None
-    pred, held_out = _alpaca()
+    from bearsdk.predictors import PromptTokenCounter
+
+    trained, held_out = _alpaca()
+    # Routers learn token counts from usage reports: each run starts from the
+    # trained state, so runs (and policies) do not see one another's traffic.
+    pred = attrs.evolve(
+        trained,
+        tokens=PromptTokenCounter.for_pool(
+            trained.models, [m.chars_per_token for m in trained.pool]
+        ),
+    )
     rng = np.random.default_rng(job.seed)
     picks = rng.integers(0, len(held_out), size=job.n)
     times = arrivals(job.n, job.rate, seed=job.seed + 2)
