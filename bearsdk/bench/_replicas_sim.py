@@ -111,19 +111,6 @@ class SimResult:
     lost: int = 0
 
 
-@attrs.define
-class _Encoding:
-    ids: list[str]
-
-
-@attrs.define
-class _TokenizerAdapter:
-    _tok: Tokenizer
-
-    def encode(self, sequence: str, /, *args: object, **kwargs: object) -> _Encoding:
-        return _Encoding(self._tok.pieces(sequence))
-
-
 _PREDICTOR: list[Any] = []
 
 
@@ -134,7 +121,7 @@ def _predictor() -> Any:
         from bearsdk.predictors import Predictor
 
         p = Predictor.load_default()
-        tok = _TokenizerAdapter(Tokenizer())
+        tok = Tokenizer().counting()
         for m in p.models:
             p.set_tokenizer(m, tok)
         _PREDICTOR.append(p)

@@ -152,21 +152,6 @@ class ModeResult:
         }
 
 
-@attrs.define
-class _Encoding:
-    ids: list[str]
-
-
-@attrs.define
-class _TokenizerAdapter:
-    """The emulator's tokenizer as the predictor's ``TokenizerLike`` (only counts matter)."""
-
-    _tok: Tokenizer
-
-    def encode(self, sequence: str, /, *args: object, **kwargs: object) -> _Encoding:
-        return _Encoding(self._tok.pieces(sequence))
-
-
 def _policy(lam: float, pod: bool) -> Any:
     from bearsdk.cluster import PowerOfD
     from bearsdk.selectors import BEAR
@@ -187,9 +172,7 @@ async def _engines(conn: Connection, job: _Job) -> None:
                 url=e.url,
                 model=e.model_name,
                 # Each instance's own calibration, as from a profiling run on its GPU.
-                batch_time=e.time_model.fit_eq12(
-                    max_batched_tokens=e.policy.token_budget, max_seqs=e.policy.max_seqs
-                ),
+                batch_time=e.calibrated_batch_time(),
                 snapshots="push",
                 poll_interval_s=job.poll_interval_s,
             )
@@ -244,7 +227,7 @@ async def _replica(
         configs = [attrs.evolve(c, snapshots="poll") for c in configs]
     pod = mode in ("shared", "independent-pod", "kill")
     router = AsyncRouter(configs, _policy(job.lam, pod), cluster=cluster)
-    tok = _TokenizerAdapter(Tokenizer())
+    tok = Tokenizer().counting()
     for c in configs:
         router.predictor.set_tokenizer(c.model, tok)
     async with router:

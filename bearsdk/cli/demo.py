@@ -37,7 +37,6 @@ import anyio
 import attrs
 import numpy as np
 
-from bearsdk.emulator.text import Tokenizer
 from bearsdk.evaluation import RunSummary, drive_workload, summarize
 from bearsdk.replay import IMPLEMENTATION
 
@@ -94,21 +93,6 @@ class _Job:
     lam: float
     slowdown: float = 1.0
     workload: str = "tasks"
-
-
-@attrs.define
-class _Encoding:
-    ids: list[str]
-
-
-@attrs.define
-class _TokenizerAdapter:
-    """The emulator's tokenizer as the predictor's ``TokenizerLike`` (only counts matter)."""
-
-    _tok: Tokenizer
-
-    def encode(self, sequence: str, /, *args: object, **kwargs: object) -> _Encoding:
-        return _Encoding(self._tok.pieces(sequence))
 
 
 @functools.cache
@@ -198,9 +182,7 @@ async def _run_async(job: _Job) -> RunSummary:
                 url=e.url,
                 model=e.model_name,
                 # Each instance's own calibration, as from a profiling run on its GPU.
-                batch_time=e.time_model.fit_eq12(
-                    max_batched_tokens=e.policy.token_budget, max_seqs=e.policy.max_seqs
-                ),
+                batch_time=e.calibrated_batch_time(),
                 snapshots="push",
             )
             for e in pool
@@ -215,7 +197,7 @@ async def _run_async(job: _Job) -> RunSummary:
         router = AsyncRouter(configs, policy, predictor=predictor)
         for e in pool:
             # Each model's own tokenizer, as a deployment loads its tokenizer.json.
-            router.predictor.set_tokenizer(e.model_name, _TokenizerAdapter(e.tokenizer))
+            router.predictor.set_tokenizer(e.model_name, e.tokenizer.counting())
         async with router:
             await anyio.sleep(_WARMUP_S)
             results, lag = await drive_workload(router, items, tail_s=_TAIL_S, lookup=lookup)

@@ -48,6 +48,7 @@ from bearsdk.schedulers import policy as bind_policy
 
 if TYPE_CHECKING:
     from bearsdk.emulator.server import HttpServer
+    from bearsdk.estimators.batch_time import BatchTimeModel
 
 __all__ = [
     "EmulatedEngine",
@@ -474,6 +475,13 @@ class EmulatedEngine:
     def time_model(self) -> GroundTruthTimeModel:
         """The ground-truth batch-time model."""
         return self._timer
+
+    def calibrated_batch_time(self) -> BatchTimeModel:
+        """Eq. 12 coefficients from a profiling sweep of this engine's own GPU, within its
+        scheduler's token and sequence budgets (what ``bearsdk calibrate`` would fit)."""
+        return self._timer.fit_eq12(
+            max_batched_tokens=self._policy.token_budget, max_seqs=self._policy.max_seqs
+        )
 
     @property
     def faults(self) -> Faults:

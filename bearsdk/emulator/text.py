@@ -36,6 +36,7 @@ __all__ = [
     "CONVERSATION_CATEGORY",
     "INSTRUCTION_CATEGORIES",
     "ChatMessageError",
+    "CountingTokenizer",
     "OutputLengthModel",
     "Tokenizer",
     "classify_instruction",
@@ -161,6 +162,26 @@ class ChatMessageError(ValueError):
 
 
 @attrs.frozen
+class _Pieces:
+    ids: list[str]
+
+
+@attrs.frozen
+class CountingTokenizer:
+    """A :class:`Tokenizer` in ``tokenizers``' shape, ``encode(text).ids``, for the
+    predictors' token counter (a deployment loads each model's ``tokenizer.json``).
+
+    Only the count matters there, so ``ids`` are the token strings: no ids hashed.
+    """
+
+    tokenizer: Tokenizer
+
+    def encode(self, sequence: str, /, *args: object, **kwargs: object) -> _Pieces:
+        """Tokens of ``sequence`` (``.ids``: one entry per token)."""
+        return _Pieces(self.tokenizer.pieces(sequence))
+
+
+@attrs.frozen
 class Tokenizer:
     """Deterministic stand-in tokenizer (about 4.3 characters per token on English).
 
@@ -185,6 +206,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
         return [self.token_id(p) for p in self.pieces(text)]
+
+    def counting(self) -> CountingTokenizer:
+        """This tokenizer as the predictors' ``TokenizerLike`` (``encode(text).ids``)."""
+        return CountingTokenizer(self)
 
     def render_chat(self, messages: object, *, add_generation_prompt: bool = True) -> str:
         """Render OpenAI chat messages with the ChatML template.
