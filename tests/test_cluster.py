@@ -215,11 +215,14 @@ async def test_overlay_ignores_own_unknown_stale_and_shown_events(predictor: Pre
     ov.apply(bus.sent[0])  # its own: ignored
     ov.apply(DispatchEvent("other", "dispatch", "nowhere", "x1", T0, 10))
     ov.apply(DispatchEvent("other", "dispatch", "i0", "x2", T0 - 60.0, 10))
+    # A forged (or badly skewed) future stamp would never age out of the view.
+    ov.apply(DispatchEvent("other", "dispatch", "i0", "x4", T0 + 1e9, 10))
     ov.apply(DispatchEvent("other", "dispatch", "i0", "w1", T0, 10))  # the snapshot has it
     ov.apply(DispatchEvent("other", "dispatch", "i1", "x3", T0, 10, 5))
     ov.apply(DispatchEvent("other", "token", "i1", "x3", T0))
     s = ov.stats()
-    assert (s.published, s.applied, s.unknown, s.stale, s.shown, s.progress) == (1, 1, 1, 1, 1, 1)
+    assert (s.published, s.applied, s.unknown, s.stale, s.shown, s.progress) == (1, 1, 1, 2, 1, 1)
+    assert "x4" not in {x.rid for x in r.state("i0").overlay}
     assert [x.rid for x in r.state("i1").overlay if x.started] == ["x3"]
     ov.apply(DispatchEvent("other", "complete", "i1", "x3", T0))
     assert "x3" not in {x.rid for x in r.state("i1").overlay}

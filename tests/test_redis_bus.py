@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -11,10 +12,19 @@ import anyio
 import orjson
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bearsdk.cluster.local import LocalRedis
 from bearsdk.io import Backoff, PushSource, SnapshotPublisher
-from bearsdk.io.redis import DispatchEvent, RedisBus, RedisSnapshotBridge, RedisSource
+from bearsdk.io.redis import (
+    DispatchEvent,
+    RedisBus,
+    RedisSnapshotBridge,
+    RedisSource,
+    key_name,
+    redact_url,
+)
 from bearsdk.state import SnapshotCache
 
 FAST = Backoff(initial_s=0.01, max_s=0.05)
@@ -151,6 +161,106 @@ async def test_publishing_never_blocks_and_the_queue_is_bounded() -> None:
         tg.cancel_scope.cancel()
 
 
+# ---------------------------------------------------------------------- peers and secrets
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret-pw@127.0.0.1:{port}/0", "redis://:***@127.0.0.1:{port}/0"),
+        ("redis://alice:s3cret-pw@127.0.0.1:{port}/0", "redis://alice:***@127.0.0.1:{port}/0"),
+        (
+            "redis://127.0.0.1:{port}/0?password=s3cret-pw&db=1",
+            "redis://127.0.0.1:{port}/0?password=***&db=1",
+        ),
+    ],
+)
+async def test_the_password_of_a_redis_url_is_never_logged(
+    url: str, shown: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = LocalRedis().port  # nothing listens there: the bus logs its failure
+    url, shown = url.format(port=port), shown.format(port=port)
+    down = RedisBus(url, backoff=FAST)
+    assert "s3cret" not in repr(down)
+    assert "s3cret" not in down.name
+    assert shown in down.name
+    with caplog.at_level(logging.DEBUG, logger="bearsdk"):
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(5.0):
+                await tg.start(down.run)
+            await until(lambda: down.stats().failures >= 2)
+            tg.cancel_scope.cancel()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings, "the failure to connect is logged"
+    assert shown in caplog.text
+    assert "s3cret" not in caplog.text
+    assert "s3cret" not in (down.stats().last_error or "")
+    with pytest.raises(ValueError, match=r"http://:\*\*\*@x") as info:
+        RedisBus("http://:s3cret-pw@x")
+    assert "s3cret" not in str(info.value)
+
+
+def test_redact_url_leaves_urls_without_a_password_alone() -> None:
+    for url in ("redis://127.0.0.1:6379/0", "redis://alice@h/0", "unix:///tmp/r.sock?db=2"):
+        assert redact_url(url) == url
+    assert redact_url("rediss://u:p@q@h:1/0") == "rediss://u:***@h:1/0"
+
+
+def test_snapshot_keys_of_different_names_never_collide() -> None:
+    # The reported collision: prefix bear:snap:x + instance y == prefix bear + instance x:snap:y.
+    assert RedisBus(prefix="bear:snap:x").snapshot_key("y") != RedisBus(prefix="bear").snapshot_key(
+        "x:snap:y"
+    )
+    # Names without ':' or '%' keep their readable key.
+    assert RedisBus(prefix="bear").snapshot_key("eng-0") == "bear:snap:eng-0"
+    assert RedisBus(prefix="bear").snapshot_key("a:b%c") == "bear:snap:a%3Ab%25c"
+    # {prefix}:dispatch of prefix 'x:snap' would be instance 'dispatch''s snapshot under 'x'.
+    with pytest.raises(ValueError, match="prefix must not end with ':snap'"):
+        RedisBus(prefix="x:snap")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(st.sampled_from("ab:%s"), min_size=1, max_size=8).filter(
+                lambda p: not p.endswith(":snap")
+            ),
+            st.text(st.sampled_from("ab:%s3A"), min_size=1, max_size=8),
+        ),
+        min_size=2,
+        max_size=6,
+        unique=True,
+    )
+)
+def test_keys_are_one_to_one(names: list[tuple[str, str]]) -> None:
+    keys: dict[str, tuple[str, str | None]] = {}
+    for prefix, instance in names:
+        b = RedisBus(prefix=prefix)
+        for key, owner in ((b.snapshot_key(instance), instance), (b.dispatch_key, None)):
+            prev = keys.setdefault(key, (prefix, owner))
+            assert prev == (prefix, owner), key
+    for _, instance in names:
+        assert ":" not in key_name(instance)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b'["r","dispatch","i","x",1.0,' + str(2**63 - 1).encode() + b",null]", "prompt_tokens"),
+        (b'["r","dispatch","i","x",1.0,5,' + str(2**63 - 1).encode() + b"]", "output_tokens"),
+        (b'["r","dispatch","i","' + b"x" * 600 + b'",1.0,5,null]', "rid"),
+        (b'["r","dispatch","i","x",1.0,5,null,' + b"1," * 3000 + b"1]", "4096 bytes"),
+        (b"[" * 1000 + b"]" * 1000, "not JSON|array"),
+        (b"[" * 500 + b"]" * 500, "7-element array"),
+    ],
+)
+def test_forged_dispatch_events_are_bounded(raw: bytes, field: str) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        DispatchEvent.decode(raw)
+    assert len(str(info.value)) <= 1024
+
+
 # ---------------------------------------------------------------------- snapshots
 
 
@@ -214,6 +324,34 @@ async def test_malformed_entries_are_rejected_and_counted(redis_url: str) -> Non
         await until(lambda: cache.stats().rejected.get("malformed") == 1 and events == [good])
         assert reader.stats().events_malformed == 1
         assert cache.entry is None
+        tg.cancel_scope.cancel()
+    await raw.aclose()
+
+
+async def test_a_subscriber_failing_on_an_entry_does_not_stop_the_reader(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    px = fresh_prefix()
+    import redis.asyncio
+
+    reader = bus(redis_url, px)
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    seen: list[int] = []
+
+    def fragile(ev: DispatchEvent) -> None:
+        if ev.rid == "boom":
+            raise RuntimeError("a bug in a subscriber")
+        seen.append(ev.prompt_tokens)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(reader.run)
+        reader.subscribe_dispatches(fragile)
+        for rid, n in (("a", 1), ("boom", 2), ("b", 3)):
+            ev = DispatchEvent("r", "dispatch", "eng-0", rid, 1.0, n)
+            await raw.xadd(f"{px}:dispatch", {"e": ev.encode()})
+        await until(lambda: seen == [1, 3])
+        assert reader.stats().callback_errors == 1
+        assert "a bug in a subscriber" in caplog.text
         tg.cancel_scope.cancel()
     await raw.aclose()
 

@@ -67,7 +67,8 @@ class OverlayStats:
         applied: Other replicas' dispatches added to an instance's view.
         shown: Other replicas' dispatches not added: the cached snapshot
             already showed them when they arrived.
-        stale: Other replicas' dispatches older than ``max_age_s`` on arrival.
+        stale: Other replicas' dispatches older than ``max_age_s`` on arrival,
+            or stamped more than ``max_age_s`` ahead of this replica's clock.
         unknown: Events about instances this router does not have.
         progress: Other replicas' first tokens and completions applied (a
             completion is applied only while it can change the view).
@@ -95,7 +96,8 @@ class SharedOverlay:
             :class:`DispatchBus`).
         replica: This replica's id (unique among the replicas; default random).
         max_age_s: Other replicas' dispatches older than this when they arrive
-            (a replica reconnecting reads the recent past) are ignored.
+            (a replica reconnecting reads the recent past), or stamped further
+            ahead of this replica's clock (which would never age out), are ignored.
     """
 
     bus: DispatchBus
@@ -201,7 +203,9 @@ class SharedOverlay:
             self._unknown += 1
             return
         if ev.kind == "dispatch":
-            if router.clock() - ev.time > self.max_age_s:
+            # Ahead of this clock by as much: a skewed or forged clock. Such a
+            # dispatch would never age out of the view.
+            if abs(router.clock() - ev.time) > self.max_age_s:
                 self._stale += 1
                 return
             entry = router.cache(ev.instance).entry

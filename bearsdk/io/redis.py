@@ -8,12 +8,14 @@ to ``bear``):
 
 ``{prefix}:snap:{instance}``
     The instance's latest ``bear.snapshot/1`` document (field ``d``), the
-    stream capped at one entry. A writer (:class:`RedisSnapshotBridge`, which
-    follows engines' push or poll endpoints, or an engine calling
-    :meth:`RedisBus.publish_snapshot` after each step) appends every new
-    snapshot, and re-appends the latest every ``keepalive_s`` while nothing
-    changes, so that readers can tell an idle engine from a dead writer. The
-    key expires ``snapshot_ttl_s`` after the last write.
+    stream capped at one entry (``instance`` with ``%`` and ``:``
+    percent-encoded, so that no two prefix and instance pairs share a key).
+    A writer (:class:`RedisSnapshotBridge`, which follows engines' push or
+    poll endpoints, or an engine calling :meth:`RedisBus.publish_snapshot`
+    after each step) appends every new snapshot, and re-appends the latest
+    every ``keepalive_s`` while nothing changes, so that readers can tell an
+    idle engine from a dead writer. The key expires ``snapshot_ttl_s`` after
+    the last write.
 ``{prefix}:dispatch``
     Dispatch events of every replica (field ``e``: a :class:`DispatchEvent`),
     trimmed to the last ``dispatch_ttl_s`` on every append and expiring with it.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -70,11 +73,48 @@ __all__ = [
     "RedisBus",
     "RedisSnapshotBridge",
     "RedisSource",
+    "key_name",
+    "redact_url",
 ]
 
 EVENT_KINDS: Final = ("dispatch", "token", "complete")
 """What a :class:`DispatchEvent` reports: a request sent to an instance, its first
 token seen, or its end (finished, failed or abandoned)."""
+
+
+MAX_EVENT_BYTES: Final = 4096
+"""Larger dispatch entries are malformed (a real one is about 100 bytes)."""
+MAX_NAME: Final = 512
+"""Longest replica, instance or request id a dispatch event may carry."""
+MAX_TOKENS: Final = 1 << 24
+"""Largest prompt or output length a dispatch event may carry (beyond any model's context)."""
+
+# The password of a URL's user info, and password=... in its query string.
+# Greedy up to the netloc's last '@', as URL parsers split it: a password may hold '@'.
+_USERINFO_PW: Final = re.compile(r"^([a-z0-9+.-]+://[^/?#@:]*):[^/?#]*@", re.IGNORECASE)
+_QUERY_PW: Final = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs, names and errors).
+
+    ``redis://:secret@host:6379/0`` becomes ``redis://:***@host:6379/0``;
+    ``redis://user:secret@host`` becomes ``redis://user:***@host``; a
+    ``password=`` query parameter is masked the same way.
+    """
+    return _QUERY_PW.sub(r"\1***", _USERINFO_PW.sub(r"\1:***@", url))
+
+
+def key_name(name: str) -> str:
+    """``name`` as one component of a Redis key: ``%`` and ``:`` percent-encoded.
+
+    Without it, prefix ``bear:snap:x`` and instance ``y`` would share a key with
+    prefix ``bear`` and instance ``x:snap:y``. Names without either character
+    are unchanged.
+    """
+    if "%" not in name and ":" not in name:
+        return name
+    return name.replace("%", "%25").replace(":", "%3A")
 
 
 def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -89,14 +129,28 @@ def _count(inst: object, att: attrs.Attribute[int], value: int) -> None:
 
 def _prefix(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise ValueError(f"{att.name} must be a non-empty string without spaces (got {value!r})")
+        raise ValueError(
+            f"{att.name} must be a non-empty string without spaces (got {value!r:.200})"
+        )
+    if value.endswith(":snap"):
+        # {prefix}:dispatch would be the snapshot key of an instance named
+        # "dispatch" under the prefix one level up.
+        raise ValueError(f"{att.name} must not end with ':snap' (got {value!r:.200})")
 
 
 def _url(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        shown = redact_url(value) if isinstance(value, str) else value
         raise ValueError(
-            f"{att.name} must start with redis://, rediss:// or unix:// (got {value!r})"
+            f"{att.name} must start with redis://, rediss:// or unix:// (got {shown!r:.200})"
         )
+
+
+def _short(v: object) -> str:
+    """A bounded repr of an untrusted JSON value (containers by type and size only)."""
+    if isinstance(v, list | dict):
+        return f"a {type(v).__name__} of {len(v)}"
+    return f"{v!r:.80}"
 
 
 @attrs.frozen
@@ -139,33 +193,52 @@ class DispatchEvent:
     def decode(cls, data: bytes | str) -> DispatchEvent:
         """Parse the wire form strictly.
 
+        Entries come from any peer with access to the server: they are
+        untrusted, so sizes and numbers are bounded (:data:`MAX_EVENT_BYTES`,
+        :data:`MAX_NAME`, :data:`MAX_TOKENS`).
+
         Raises:
-            ValueError: Not a 7-element array, or a field of the wrong type (the
-                message names the field and the value).
+            ValueError: Too large, not a 7-element array, or a field of the wrong
+                type or out of bounds (the message names the field and the value).
         """
+        if len(data) > MAX_EVENT_BYTES:
+            raise ValueError(
+                f"dispatch event: must be <= {MAX_EVENT_BYTES} bytes (got {len(data)})"
+            )
         try:
             doc = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise ValueError(f"dispatch event: not JSON ({exc})") from None
         if not isinstance(doc, list) or len(doc) != 7:
-            raise ValueError(f"dispatch event: must be a 7-element array (got {doc!r:.200})")
+            # Not the repr of doc: a deeply nested value has no repr (RecursionError).
+            what = f"a {len(doc)}-element array" if isinstance(doc, list) else type(doc).__name__
+            raise ValueError(f"dispatch event: must be a 7-element array (got {what})")
         replica, kind, instance, rid, t, prompt, out = doc
         for name, v in (("replica", replica), ("instance", instance), ("rid", rid)):
-            if not isinstance(v, str) or not v:
-                raise ValueError(f"dispatch event {name}: must be a non-empty string (got {v!r})")
+            if not isinstance(v, str) or not v or len(v) > MAX_NAME:
+                raise ValueError(
+                    f"dispatch event {name}: must be a non-empty string of at most "
+                    f"{MAX_NAME} characters (got {_short(v)})"
+                )
         if kind not in EVENT_KINDS:
-            raise ValueError(f"dispatch event kind: must be one of {EVENT_KINDS} (got {kind!r})")
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-            raise ValueError(f"dispatch event time: must be a finite number (got {t!r})")
-        if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt < 0:
             raise ValueError(
-                f"dispatch event prompt_tokens: must be an integer >= 0 (got {prompt!r})"
+                f"dispatch event kind: must be one of {EVENT_KINDS} (got {_short(kind)})"
             )
-        if kind == "dispatch" and prompt < 1:
-            raise ValueError(f"dispatch event prompt_tokens: must be >= 1 (got {prompt!r})")
-        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise ValueError(f"dispatch event time: must be a finite number (got {_short(t)})")
+        lo = 1 if kind == "dispatch" else 0
+        bad = isinstance(prompt, bool) or not isinstance(prompt, int)
+        if bad or not lo <= prompt <= MAX_TOKENS:
             raise ValueError(
-                f"dispatch event output_tokens: must be an integer >= 1 or null (got {out!r})"
+                f"dispatch event prompt_tokens: must be an integer in [{lo}, {MAX_TOKENS}] "
+                f"(got {_short(prompt)})"
+            )
+        if out is not None and (
+            isinstance(out, bool) or not isinstance(out, int) or not 1 <= out <= MAX_TOKENS
+        ):
+            raise ValueError(
+                f"dispatch event output_tokens: must be an integer in [1, {MAX_TOKENS}] or null "
+                f"(got {_short(out)})"
             )
         return cls(replica, kind, instance, rid, float(t), prompt, out)
 
@@ -186,6 +259,8 @@ class BusStats:
         events_dropped: Events never sent: the queue was full, or they were
             older than ``dispatch_ttl_s`` when Redis came back.
         events_malformed: Entries of the dispatch stream that did not decode.
+        callback_errors: Entries a subscriber raised on (a bug, logged with
+            its traceback; the reader goes on).
     """
 
     connected: bool
@@ -198,6 +273,7 @@ class BusStats:
     events_read: int
     events_dropped: int
     events_malformed: int
+    callback_errors: int = 0
 
 
 def _retry_errors() -> tuple[type[BaseException], ...]:
@@ -234,10 +310,10 @@ class RedisBus:
         max_queue: Dispatch events waiting to be sent; beyond it, the oldest go.
         max_read: Entries read per stream per read.
         backoff: Delays between attempts while the server is down.
-        name: Label in logs (default: ``redis:{url}``).
+        name: Label in logs (default: ``redis:{url}``, the password masked).
     """
 
-    url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_url)
+    url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_url, repr=redact_url)
     prefix: str = attrs.field(default="bear", validator=_prefix)
     timeout_s: float = attrs.field(default=0.25, validator=_positive)
     block_s: float = attrs.field(default=0.1, validator=_positive)
@@ -272,9 +348,11 @@ class RedisBus:
     _events_read: int = attrs.field(init=False, default=0)
     _events_dropped: int = attrs.field(init=False, default=0)
     _events_malformed: int = attrs.field(init=False, default=0)
+    _callback_errors: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self._name = self._name or f"redis:{self.url}"
+        # The name goes into logs and errors: never with the password.
+        self._name = self._name or f"redis:{redact_url(self.url)}"
         self._health = _Health(self._name)
         self._events = deque(maxlen=self.max_queue)
 
@@ -296,8 +374,8 @@ class RedisBus:
         return self._up_since if self._up else math.inf
 
     def snapshot_key(self, instance: str) -> str:
-        """The stream holding ``instance``'s latest snapshot."""
-        return f"{self.prefix}:snap:{instance}"
+        """The stream holding ``instance``'s latest snapshot (the name as :func:`key_name`)."""
+        return f"{self.prefix}:snap:{key_name(instance)}"
 
     @property
     def dispatch_key(self) -> str:
@@ -318,6 +396,7 @@ class RedisBus:
             events_read=self._events_read,
             events_dropped=self._events_dropped,
             events_malformed=self._events_malformed,
+            callback_errors=self._callback_errors,
         )
 
     def _ok(self) -> None:
@@ -530,7 +609,7 @@ class RedisBus:
                 if isinstance(data, bytes):
                     self._snapshots_read += 1
                     for cb in list(self._snap_subs.get(owner, ())):
-                        cb(data)
+                        self._call(cb, data)
 
     def _deliver_events(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for _, fields in entries:
@@ -544,7 +623,22 @@ class RedisBus:
                 continue
             self._events_read += 1
             for cb in list(self._event_subs):
-                cb(ev)
+                self._call(cb, ev)
+
+    def _call(self, cb: Callable[[Any], None], arg: object) -> None:
+        # Entries are any peer's: a subscriber tripping over one must not end
+        # the reader (and with it the router's task group). The bug is logged
+        # with its traceback, and counted.
+        try:
+            cb(arg)
+        except Exception:
+            self._callback_errors += 1
+            if self._callback_errors == 1 or self._callback_errors % 1000 == 0:
+                log.exception(
+                    "%s: a subscriber failed on an entry [%d so far]",
+                    self._name,
+                    self._callback_errors,
+                )
 
     async def _write_loop(self, client: redis.asyncio.Redis) -> None:
         errors = _retry_errors()
