@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from bearsdk.errors import SnapshotError
+from bearsdk.errors import SnapshotError, short_repr
 
 __all__ = [
     "COLUMNS",
@@ -72,11 +72,34 @@ STATE_WAITING: Final = 1
 # Every integer must fit the int64 table (orjson yields integers up to 2**64 - 1).
 INT_MAX: Final = 2**63 - 1
 
+# Physical bounds, defined here only (docs/snapshots.md, "Bounds", says why
+# each): the compiled scanner is handed the same values at import, and the
+# scheduler specs validate against them too. They keep every sum the replays
+# form far inside int32, and any accepted snapshot's replay cheap.
+MAX_BLOCK_SIZE: Final = 4096
+"""Tokens per KV block (vLLM uses 1 to a few hundred; hybrid models ~1-2k)."""
+MAX_NUM_BLOCKS: Final = 2**24
+"""KV blocks in one engine's pool."""
+MAX_REQUEST_TOKENS: Final = 2**24
+"""Tokens of one request: its prompt plus its output (any context window)."""
+MAX_PLACEHOLDERS: Final = 1024
+"""Output tokens of one request scheduled in the batch in flight."""
+MAX_REQUESTS: Final = 65_536
+"""Resident requests (running and waiting) in one snapshot."""
+MAX_TOTAL_TOKENS: Final = 2**26
+"""Prompt plus output tokens of all resident requests together."""
+MAX_ID_CHARS: Final = 1024
+"""Characters of a request id, an instance name or an epoch."""
+MAX_INFLIGHT_S: Final = 3600.0
+"""Seconds left of the batch in flight."""
+
 _STATES: Final = {"running": STATE_RUNNING, "waiting": STATE_WAITING}
 _REQUEST_REQUIRED: Final = ("id", "state", "prompt_tokens", "computed_tokens", "output_tokens")
 _REQUEST_OPTIONAL: Final = ("max_tokens", "output_len", "placeholders")
 _REQUEST_FIELDS: Final = frozenset(_REQUEST_REQUIRED + _REQUEST_OPTIONAL)
-_KV_FIELDS: Final = frozenset(("block_size", "num_blocks", "free_blocks"))
+# A tuple, not a set: which missing field an error names must not depend on
+# the hash seed.
+_KV_FIELDS: Final = ("block_size", "num_blocks", "free_blocks")
 
 
 @attrs.frozen
@@ -277,54 +300,77 @@ def _decode_py(data: bytes | bytearray | memoryview | str) -> Snapshot:
     return snapshot_from_dict(doc)
 
 
-def _int(v: object, field: str, lo: int, hi: int | None = None) -> int:
+def _int(v: object, field: str, lo: int, hi: int = INT_MAX) -> int:
     # bool is an int subclass: reject it explicitly, a flag is never a count.
-    if type(v) is not int or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise SnapshotError(field, f"must be an integer {rng} (got {v!r})", v)
-    if v > INT_MAX:
-        raise SnapshotError(field, f"must be an integer in [{lo}, 2**63 - 1] (got {v!r})", v)
+    if type(v) is not int or v < lo or v > hi:
+        rng = f"in [{lo}, 2**63 - 1]" if hi == INT_MAX else f"in [{lo}, {hi}]"
+        raise SnapshotError(field, f"must be an integer {rng} (got {short_repr(v)})", v)
+    return v
+
+
+def _name(v: object, field: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS:
+        raise SnapshotError(
+            field,
+            f"must be a non-empty string of at most {MAX_ID_CHARS} characters "
+            f"(got {short_repr(v)})",
+            v,
+        )
     return v
 
 
 def _kv(v: object) -> KVState:
     if not isinstance(v, Mapping):
-        raise SnapshotError("kv", f"must be an object (got {v!r})", v)
+        raise SnapshotError("kv", f"must be an object (got {short_repr(v)})", v)
     for key in v:
         if key not in _KV_FIELDS:
-            raise SnapshotError(f"kv.{key}", f"is not a known field (got {v[key]!r})", v[key])
+            raise SnapshotError(
+                f"kv.{_key(key)}", f"is not a known field (got {short_repr(v[key])})", v[key]
+            )
     for key in _KV_FIELDS:
         if key not in v:
             raise SnapshotError(f"kv.{key}", "is required")
-    bs = _int(v["block_size"], "kv.block_size", 1)
-    nb = _int(v["num_blocks"], "kv.num_blocks", 1)
+    bs = _int(v["block_size"], "kv.block_size", 1, MAX_BLOCK_SIZE)
+    nb = _int(v["num_blocks"], "kv.num_blocks", 1, MAX_NUM_BLOCKS)
     fb = _int(v["free_blocks"], "kv.free_blocks", 0, nb)
     return KVState(bs, nb, fb)
+
+
+def _key(key: object) -> str:
+    return key if isinstance(key, str) else short_repr(key)
 
 
 def _row(i: int, r: object) -> tuple[str, list[int]]:
     where = f"requests[{i}]"
     if not isinstance(r, Mapping):
-        raise SnapshotError(where, f"must be an object (got {r!r})", r)
+        raise SnapshotError(where, f"must be an object (got {short_repr(r)})", r)
     for key in r:
         if key not in _REQUEST_FIELDS:
             raise SnapshotError(
-                f"{where}.{key}", f"is not a known request field (got {r[key]!r})", r[key]
+                f"{where}.{_key(key)}",
+                f"is not a known request field (got {short_repr(r[key])})",
+                r[key],
             )
     for key in _REQUEST_REQUIRED:
         if key not in r:
             raise SnapshotError(f"{where}.{key}", "is required")
-    rid = r["id"]
-    if not isinstance(rid, str) or not rid:
-        raise SnapshotError(f"{where}.id", f"must be a non-empty string (got {rid!r})", rid)
+    rid = _name(r["id"], f"{where}.id")
     state = _STATES.get(r["state"]) if isinstance(r["state"], str) else None
     if state is None:
         raise SnapshotError(
-            f"{where}.state", f"must be 'running' or 'waiting' (got {r['state']!r})", r["state"]
+            f"{where}.state",
+            f"must be 'running' or 'waiting' (got {short_repr(r['state'])})",
+            r["state"],
         )
-    prompt = _int(r["prompt_tokens"], f"{where}.prompt_tokens", 1)
-    output = _int(r["output_tokens"], f"{where}.output_tokens", 0)
-    ph = _int(r.get("placeholders", 0), f"{where}.placeholders", 0)
+    prompt = _int(r["prompt_tokens"], f"{where}.prompt_tokens", 1, MAX_REQUEST_TOKENS)
+    output = _int(r["output_tokens"], f"{where}.output_tokens", 0, MAX_REQUEST_TOKENS)
+    if prompt + output > MAX_REQUEST_TOKENS:
+        raise SnapshotError(
+            f"{where}.output_tokens",
+            f"must be <= {MAX_REQUEST_TOKENS} - prompt_tokens {prompt} (got {output})",
+            output,
+        )
+    ph = _int(r.get("placeholders", 0), f"{where}.placeholders", 0, MAX_PLACEHOLDERS)
     if state == STATE_WAITING:
         computed = _int(r["computed_tokens"], f"{where}.computed_tokens", 0, 0)
         if ph:
@@ -334,12 +380,14 @@ def _row(i: int, r: object) -> tuple[str, list[int]]:
     else:
         computed = _int(r["computed_tokens"], f"{where}.computed_tokens", 0, prompt + output + ph)
     max_tokens = r.get("max_tokens")
-    mt = -1 if max_tokens is None else _int(max_tokens, f"{where}.max_tokens", 1)
+    mt = (
+        -1 if max_tokens is None else _int(max_tokens, f"{where}.max_tokens", 1, MAX_REQUEST_TOKENS)
+    )
     output_len = r.get("output_len")
     ol = -1
     if output_len is not None:
         # A resident request still has at least one token to produce.
-        ol = _int(output_len, f"{where}.output_len", max(1, output + 1))
+        ol = _int(output_len, f"{where}.output_len", max(1, output + 1), MAX_REQUEST_TOKENS)
         if mt >= 0 and ol > mt:
             raise SnapshotError(
                 f"{where}.output_len", f"must be <= max_tokens {mt} (got {ol})", output_len
@@ -369,43 +417,60 @@ def snapshot_from_dict(doc: object) -> Snapshot:
     if not isinstance(doc, Mapping):
         raise SnapshotError("", f"must be a JSON object (got {type(doc).__name__})", doc)
     schema = doc.get("schema")
-    if schema != SCHEMA:
-        raise SnapshotError("schema", f"must be {SCHEMA!r} (got {schema!r})", schema)
-    instance = doc.get("instance")
-    if not isinstance(instance, str) or not instance:
-        raise SnapshotError("instance", f"must be a non-empty string (got {instance!r})", instance)
+    if type(schema) is not str or schema != SCHEMA:
+        raise SnapshotError("schema", f"must be {SCHEMA!r} (got {short_repr(schema)})", schema)
+    instance = _name(doc.get("instance"), "instance")
     seq = _int(doc.get("seq"), "seq", 0)
     t = doc.get("time")
-    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
-        raise SnapshotError("time", f"must be a finite number (got {t!r})", t)
+    if not (
+        (type(t) is float and math.isfinite(t))
+        or (type(t) is int and t.bit_length() < 1024)  # a larger int overflows float()
+    ):
+        raise SnapshotError("time", f"must be a finite number (got {short_repr(t)})", t)
+    capture = float(t)
     kv = _kv(doc["kv"]) if doc.get("kv") is not None else None
     inflight = doc.get("inflight")
     remaining: float | None = None
     if inflight is not None:
         if not isinstance(inflight, Mapping) or "remaining_s" not in inflight:
             raise SnapshotError(
-                "inflight", f"must be an object with remaining_s (got {inflight!r})"
+                "inflight", f"must be an object with remaining_s (got {short_repr(inflight)})"
             )
         rs = inflight["remaining_s"]
-        if type(rs) not in (int, float) or not (0.0 <= rs < math.inf):
+        if type(rs) not in (int, float) or not (0.0 <= rs <= MAX_INFLIGHT_S):
             raise SnapshotError(
-                "inflight.remaining_s", f"must be a finite number >= 0 (got {rs!r})", rs
+                "inflight.remaining_s",
+                f"must be a number in [0, {MAX_INFLIGHT_S:g}] (got {short_repr(rs)})",
+                rs,
             )
         remaining = float(rs)
     epoch = doc.get("epoch")
-    if epoch is not None and (not isinstance(epoch, str) or not epoch):
-        raise SnapshotError("epoch", f"must be a non-empty string (got {epoch!r})", epoch)
+    if epoch is not None:
+        epoch = _name(epoch, "epoch")
     reqs = doc.get("requests")
-    if not isinstance(reqs, Sequence) or isinstance(reqs, str | bytes):
-        raise SnapshotError("requests", f"must be a list (got {reqs!r})", reqs)
+    if not isinstance(reqs, Sequence) or isinstance(reqs, str | bytes | bytearray):
+        raise SnapshotError("requests", f"must be a list (got {short_repr(reqs)})", reqs)
+    if len(reqs) > MAX_REQUESTS:
+        raise SnapshotError(
+            "requests", f"must hold at most {MAX_REQUESTS} requests (got {len(reqs)})", len(reqs)
+        )
     ids: list[str] = []
     rows: list[list[int]] = []
     seen: set[str] = set()
     seen_waiting = False
+    total = 0
     for i, r in enumerate(reqs):
         rid, row = _row(i, r)
+        total += row[COL_PROMPT] + row[COL_OUTPUT]
+        if total > MAX_TOTAL_TOKENS:
+            raise SnapshotError(
+                f"requests[{i}].prompt_tokens",
+                f"+ output_tokens take the snapshot's requests to {total} tokens, over the "
+                f"{MAX_TOTAL_TOKENS} of all requests together (got {row[COL_PROMPT]})",
+                row[COL_PROMPT],
+            )
         if rid in seen:
-            raise SnapshotError(f"requests[{i}].id", f"is a duplicate (got {rid!r})", rid)
+            raise SnapshotError(f"requests[{i}].id", f"is a duplicate (got {short_repr(rid)})", rid)
         seen.add(rid)
         if row[COL_STATE] == STATE_WAITING:
             seen_waiting = True
@@ -431,7 +496,7 @@ def snapshot_from_dict(doc: object) -> Snapshot:
     return Snapshot(
         instance=instance,
         seq=seq,
-        time=float(t),
+        time=capture,
         kv=kv,
         ids=tuple(ids),
         table=table,
@@ -458,7 +523,19 @@ _FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
 _scan: Callable[[object], tuple[Any, ...] | None] | None = None
 if _FLAG in {"", "0", "no", "false"}:
     with contextlib.suppress(ImportError):  # built without extensions
+        from bearsdk._snapshot_c import _set_limits
         from bearsdk._snapshot_c import decode as _scan
+
+        _set_limits(
+            MAX_BLOCK_SIZE,
+            MAX_NUM_BLOCKS,
+            MAX_REQUEST_TOKENS,
+            MAX_PLACEHOLDERS,
+            MAX_REQUESTS,
+            MAX_TOTAL_TOKENS,
+            MAX_ID_CHARS,
+            MAX_INFLIGHT_S,
+        )
 
 
 def _decode_c(data: bytes | bytearray | memoryview | str) -> Snapshot:

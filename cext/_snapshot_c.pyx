@@ -69,6 +69,41 @@ cdef enum:
 
 ctypedef unsigned char uchar
 
+# Physical bounds. bearsdk/snapshot.py defines them and hands them over at
+# import (_set_limits), so both decoders enforce one set. Until then every
+# document with a kv or a request defers to the reference (the zeros below).
+cdef int64_t LIM_BLOCK_SIZE = 0
+cdef int64_t LIM_NUM_BLOCKS = 0
+cdef int64_t LIM_REQUEST_TOKENS = 0
+cdef int64_t LIM_PLACEHOLDERS = 0
+cdef int64_t LIM_REQUESTS = 0
+cdef int64_t LIM_TOTAL_TOKENS = 0
+cdef int64_t LIM_ID_BYTES = 0
+cdef double LIM_INFLIGHT_S = 0.0
+
+
+def _set_limits(long long block_size, long long num_blocks, long long request_tokens,
+                long long placeholders, long long requests, long long total_tokens,
+                long long id_chars, double inflight_s):
+    """Install the bounds of bearsdk.snapshot (called once, at its import)."""
+    global LIM_BLOCK_SIZE, LIM_NUM_BLOCKS, LIM_REQUEST_TOKENS, LIM_PLACEHOLDERS
+    global LIM_REQUESTS, LIM_TOTAL_TOKENS, LIM_ID_BYTES, LIM_INFLIGHT_S
+    # Sums of a few bounded values must stay far inside int64 (the scanner
+    # already defers on integers of more than 18 digits).
+    if not (0 < block_size <= 2**20 and 0 < num_blocks <= 2**40 and 0 < request_tokens <= 2**40
+            and 0 <= placeholders <= 2**40 and 0 < requests <= 2**30
+            and 0 < total_tokens <= 2**50 and 0 < id_chars <= 2**20 and inflight_s >= 0.0):
+        raise ValueError("snapshot limits out of range")
+    LIM_BLOCK_SIZE = block_size
+    LIM_NUM_BLOCKS = num_blocks
+    LIM_REQUEST_TOKENS = request_tokens
+    LIM_PLACEHOLDERS = placeholders
+    LIM_REQUESTS = requests
+    LIM_TOTAL_TOKENS = total_tokens
+    # Bytes, not characters: a longer non-ASCII name defers to the reference.
+    LIM_ID_BYTES = id_chars
+    LIM_INFLIGHT_S = inflight_s
+
 ctypedef struct Cursor:
     const uchar* p
     const uchar* end
@@ -410,7 +445,7 @@ cdef int scan_request(Cursor* c, int64_t* row, Str* rid) noexcept nogil:
             return -1
         if key_is(&key, "id", 2):
             bit = R_ID
-            if scan_str(c, rid) < 0 or rid.n == 0:
+            if scan_str(c, rid) < 0 or rid.n == 0 or rid.n > LIM_ID_BYTES:
                 return -1
         elif key_is(&key, "state", 5):
             bit = R_STATE
@@ -459,7 +494,11 @@ cdef int scan_request(Cursor* c, int64_t* row, Str* rid) noexcept nogil:
         break
     if (seen & R_REQUIRED) != R_REQUIRED:
         return -1
-    if prompt < 1:
+    if prompt < 1 or prompt > LIM_REQUEST_TOKENS or output > LIM_REQUEST_TOKENS:
+        return -1
+    if prompt + output > LIM_REQUEST_TOKENS or ph > LIM_PLACEHOLDERS:
+        return -1
+    if mt > LIM_REQUEST_TOKENS or ol > LIM_REQUEST_TOKENS:
         return -1
     if state == 1:
         if computed != 0 or ph != 0:
@@ -490,14 +529,20 @@ cdef object scan_requests(Cursor* c, _Rows rows, list ids):
     cdef int64_t* row
     cdef bint seen_waiting = False
     cdef set seen = set()
+    cdef int64_t total = 0
     if expect(c, 91) < 0:
         return False
     if peek(c, 93):
         c.p += 1
         return True
     while True:
+        if rows.n >= LIM_REQUESTS:
+            return False
         row = rows.push()
         if scan_request(c, row, &rid) < 0:
+            return False
+        total += row[1] + row[3]
+        if total > LIM_TOTAL_TOKENS:
             return False
         if row[0] == 1:
             seen_waiting = True
@@ -544,6 +589,8 @@ cdef int scan_kv(Cursor* c, int64_t* kv) noexcept nogil:
         break
     if kv[0] < 1 or kv[1] < 1 or kv[2] > kv[1]:
         return -1
+    if kv[0] > LIM_BLOCK_SIZE or kv[1] > LIM_NUM_BLOCKS:
+        return -1
     return 0
 
 
@@ -561,7 +608,7 @@ cdef int scan_inflight(Cursor* c, double* remaining) except -2:
             if found or scan_double(c, remaining, &is_null) < 0 or is_null:
                 return -1
             found = True
-            if not remaining[0] >= 0.0:
+            if not (0.0 <= remaining[0] <= LIM_INFLIGHT_S):
                 return -1
         elif skip_value(c, 1) < 0:
             return -1
@@ -625,7 +672,7 @@ def decode(data):
                 return None
         elif key_is(&key, "instance", 8):
             bit = K_INSTANCE
-            if scan_str(&c, &instance) < 0 or instance.n == 0:
+            if scan_str(&c, &instance) < 0 or instance.n == 0 or instance.n > LIM_ID_BYTES:
                 return None
         elif key_is(&key, "seq", 3):
             bit = K_SEQ
@@ -655,7 +702,9 @@ def decode(data):
                 has_inflight = True
         elif key_is(&key, "epoch", 5):
             bit = K_EPOCH
-            if str_value(&c, &epoch) < 0 or (epoch.s != NULL and epoch.n == 0):
+            if str_value(&c, &epoch) < 0 or (
+                epoch.s != NULL and (epoch.n == 0 or epoch.n > LIM_ID_BYTES)
+            ):
                 return None
         elif key_is(&key, "requests", 8):
             bit = K_REQUESTS

@@ -148,6 +148,17 @@ def _classify(exc: SnapshotError) -> Reject:
     return Reject.FIELD
 
 
+def _unexpected(exc: BaseException) -> str:
+    # str(exc) of an arbitrary exception may be huge or may itself raise.
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"unexpected {type(exc).__name__}: {text}"
+
+
 def _non_negative(inst: object, att: attrs.Attribute[float], value: float) -> None:
     if math.isnan(value) or value < 0:
         raise ValueError(f"{att.name} must be a number >= 0 (got {value!r})")
@@ -264,6 +275,13 @@ class SnapshotCache:
         except SnapshotError as exc:
             self.reject(_classify(exc), str(exc), source=source)
             return Outcome.REJECTED
+        except Exception as exc:
+            # Last resort: the decoders raise only SnapshotError by contract, but
+            # a bug must cost one snapshot, never the source's task (and with it
+            # the router's task group).
+            self.reject(Reject.MALFORMED, _unexpected(exc), source=source)
+            log.debug("%s: decoder raised", self.instance, exc_info=True)
+            return Outcome.REJECTED
         return self.offer(snap, source=source, fresh_connection=fresh_connection, received=received)
 
     def offer(
@@ -322,6 +340,16 @@ class SnapshotCache:
                 self.reject(
                     Reject.UNREPLAYABLE, f"snapshot seq {snapshot.seq}: {exc}", source=source
                 )
+                return Outcome.REJECTED
+            except Exception as exc:
+                # As in offer_bytes: validation bounds every number so that this
+                # does not happen; if it does, the cached snapshot stays.
+                self.reject(
+                    Reject.UNREPLAYABLE,
+                    f"snapshot seq {snapshot.seq}: {_unexpected(exc)}",
+                    source=source,
+                )
+                log.debug("%s: preparing the replay raised", self.instance, exc_info=True)
                 return Outcome.REJECTED
         now = self.clock() if received is None else received
         transit = min(max(now - snapshot.time, 0.0), self.max_transit_s)
