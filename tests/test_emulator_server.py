@@ -463,7 +463,7 @@ async def _test_faults_errors_drops_latency_stall(
 
     async with http.post(url + "/bear/faults", json={"error_rate": 3}) as r:
         assert r.status == 400
-        assert "error_rate must be in [0, 1]" in (await r.json())["error"]["message"]
+        assert "error_rate must be in [0, 1] (got 3)" in (await r.json())["error"]["message"]
 
 
 async def test_slow_snapshot_publishing() -> None:
@@ -601,3 +601,103 @@ def test_known_answers_are_validated() -> None:
         EngineConfig(answer_lengths={"x": 0})
     with pytest.raises(EngineConfigError, match="answer_lengths must be a mapping"):
         EngineConfig(answer_lengths=[("x", 3)])  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- admin endpoints
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"stall_s": 3600}, "stall_s must be a number in [0, 60] (got 3600)"),
+        ({"stall_s": 2**64 - 1}, "stall_s must be a number in [0, 60]"),
+        ({"latency_s": 3600.0}, "latency_s must be a number in [0, 60] (got 3600.0)"),
+        ({"snapshot_delay_s": 1e308}, "snapshot_delay_s must be a number in [0, 60]"),
+        ({"fail_next": 10**12}, "fail_next must be an integer in [0, 100000]"),
+        ({"drop_next": 2**63}, "drop_next must be an integer in [0, 100000]"),
+        ({"fault_paths": ["/v1"] * 1000}, "fault_paths must be a list of at most 64 paths"),
+        ({"x" * 10_000: 1}, "is not a fault setting"),
+    ],
+)
+async def test_fault_settings_are_bounded(body: dict[str, Any], message: str) -> None:
+    async with _engine() as engine, aiohttp.ClientSession() as http:
+        before = engine.faults.to_dict()
+        async with http.post(engine.url + "/bear/faults", json=body) as r:
+            assert r.status == 400
+            got = (await r.json())["error"]["message"]
+        assert message in got
+        assert len(got) <= 1024
+        assert engine.faults.to_dict() == before  # refused whole: nothing changed
+        # The engine still answers at once (a 3600 s stall would hang every request).
+        with anyio.fail_after(10):
+            h = engine.submit_tokens(4, 2)
+            await h.result()
+
+
+def test_an_integer_beyond_any_float_is_refused_by_name() -> None:
+    from bearsdk.emulator import Faults
+    from bearsdk.emulator.faults import FaultsError
+
+    with pytest.raises(FaultsError, match=r"stall_s must be a number in \[0, 60\]"):
+        Faults().update({"stall_s": 10**400})
+
+
+async def test_pending_stalls_add_up_to_the_bound() -> None:
+    async with _engine() as engine, aiohttp.ClientSession() as http:
+        for _ in range(2):
+            async with http.post(engine.url + "/bear/faults", json={"stall_s": 30}) as r:
+                assert r.status == 200
+        async with http.post(engine.url + "/bear/faults", json={"stall_s": 1}) as r:
+            assert r.status == 400
+            assert "stall_s must be a number in [0, 0]" in (await r.json())["error"]["message"]
+        assert engine.faults.take_stall() == 60.0
+
+
+async def test_restart_downtime_is_bounded() -> None:
+    async with (
+        _engine() as engine,
+        aiohttp.ClientSession() as http,
+        http.post(engine.url + "/bear/restart", json={"downtime_s": 3600}) as r,
+    ):
+        assert r.status == 400
+        assert "downtime_s must be a number in [0, 60]" in (await r.json())["error"]["message"]
+
+
+async def test_admin_endpoints_need_the_token_once_one_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BEARSDK_ADMIN_TOKEN", "tok-0123456789")
+    async with _engine() as engine, aiohttp.ClientSession() as http:
+        url = engine.url
+        for path, body in (("/bear/faults", {"fail_next": 1}), ("/bear/restart", {})):
+            for headers in ({}, {"Authorization": "Bearer wrong-token"}):
+                async with http.post(url + path, json=body, headers=headers) as r:
+                    assert r.status == 401, (path, headers)
+                    assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert engine.faults.to_dict()["pending_failures"] == 0
+        async with http.get(url + "/bear/faults") as r:  # reading stays open
+            assert r.status == 200
+        auth = {"Authorization": "Bearer tok-0123456789"}
+        async with http.post(url + "/bear/faults", json={"fail_next": 1}, headers=auth) as r:
+            assert r.status == 200
+        assert engine.faults.to_dict()["pending_failures"] == 1
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "example.invalid"])
+async def test_a_non_loopback_bind_without_a_token_refuses_to_start(
+    host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bearsdk.emulator.server import AdminTokenError
+
+    monkeypatch.delenv("BEARSDK_ADMIN_TOKEN", raising=False)
+    cfg = EngineConfig(profile=PROFILE, host=host, seed=1)
+    with pytest.raises(AdminTokenError, match=f"binding '{host}'.*BEARSDK_ADMIN_TOKEN"):
+        async with EmulatedEngine(cfg):
+            pass
+
+
+def test_loopback_addresses() -> None:
+    from bearsdk.emulator.server import is_loopback
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.3.4.5", "::1", "[::1]", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com", ""]))

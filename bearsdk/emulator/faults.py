@@ -21,6 +21,13 @@ JSON object of the fields below, plus the one-shot actions ``fail_next``,
   new ``epoch`` and ``seq`` starting over at 0.
 
 Random draws are seeded (``EngineConfig.seed``), so a faulty run repeats.
+
+Every setting is bounded, so that a fault cannot take the emulator itself down:
+delays (``latency_s``, ``snapshot_delay_s``, ``stall_s``, pending stalls
+together, a restart's ``downtime_s``) are at most :data:`MAX_DELAY_S`, pending
+one-shot failures and drops at most :data:`MAX_PENDING`, ``fault_paths`` at most
+:data:`MAX_PATHS` paths. An out-of-range value is refused (HTTP 400 naming the
+field and the value) and changes nothing.
 """
 
 from __future__ import annotations
@@ -32,42 +39,69 @@ from typing import Any, Final
 
 import attrs
 
-__all__ = ["FaultDecision", "Faults", "FaultsError"]
+__all__ = ["MAX_DELAY_S", "MAX_PATHS", "MAX_PENDING", "FaultDecision", "Faults", "FaultsError"]
 
 GENERATION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+MAX_DELAY_S: Final = 60.0
+"""Longest injected delay, stall or downtime (a longer one is a hung engine, not a fault)."""
+MAX_PENDING: Final = 100_000
+"""Most one-shot failures, and drops, pending at once."""
+MAX_PATHS: Final = 64
+"""Most entries of ``fault_paths`` (each at most 256 characters)."""
 
 
 class FaultsError(ValueError):
     """A fault setting is invalid (names the field and the value)."""
 
 
-def _check_nonneg(name: str, value: object) -> float:
+def _check_range(name: str, value: object, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FaultsError(f"{name} must be a number >= 0 (got {value!r})")
-    v = float(value)
-    if not (math.isfinite(v) and v >= 0):
-        raise FaultsError(f"{name} must be a number >= 0 (got {value!r})")
+        raise FaultsError(f"{name} must be a number in [0, {hi:g}] (got {value!r:.80})")
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float
+        v = math.inf
+    if not (math.isfinite(v) and 0 <= v <= hi):
+        raise FaultsError(f"{name} must be a number in [0, {hi:g}] (got {value!r:.80})")
     return v
+
+
+def _check_delay(name: str, value: object, hi: float = MAX_DELAY_S) -> float:
+    """A delay; ``hi`` below :data:`MAX_DELAY_S` leaves room for the ones pending."""
+    return _check_range(name, value, max(0.0, hi))
 
 
 def _check_prob(name: str, value: object) -> float:
-    v = _check_nonneg(name, value)
-    if v > 1:
-        raise FaultsError(f"{name} must be in [0, 1] (got {value!r})")
-    return v
+    # NaN fails the comparison too.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise FaultsError(f"{name} must be in [0, 1] (got {value!r:.80})")
+    return float(value)
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise FaultsError(f"{name} must be an integer >= 0 (got {value!r})")
+def _check_count(name: str, value: object, hi: int = MAX_PENDING) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise FaultsError(f"{name} must be an integer in [0, {hi}] (got {value!r:.80})")
     return value
 
 
 def _check_status(name: str, value: object) -> int:
-    v = _check_count(name, value)
-    if not 500 <= v <= 599:
-        raise FaultsError(f"{name} must be a 5xx HTTP status (got {value!r})")
-    return v
+    if isinstance(value, bool) or not isinstance(value, int) or not 500 <= value <= 599:
+        raise FaultsError(f"{name} must be a 5xx HTTP status (got {value!r:.80})")
+    return value
+
+
+def _check_paths(value: object) -> tuple[str, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_PATHS
+        or not all(isinstance(p, str) and len(p) <= 256 for p in value)
+    ):
+        shown = f"a list of {len(value)}" if isinstance(value, list) else f"{value!r:.80}"
+        raise FaultsError(
+            f"fault_paths must be a list of at most {MAX_PATHS} paths of at most 256 "
+            f"characters (got {shown})"
+        )
+    return tuple(value)
 
 
 @attrs.frozen
@@ -109,19 +143,20 @@ class Faults:
 
     def fail_next(self, n: int = 1, status: int = 500) -> None:
         """Fail the next ``n`` requests to ``fault_paths`` with ``status``."""
-        _check_count("fail_next", n)
+        _check_count("fail_next", n, MAX_PENDING - len(self._fail_next))
         _check_status("status", status)
         self._fail_next.extend([status] * n)
 
     def drop_next(self, n: int = 1, after_chunks: int = 0) -> None:
         """Drop the connection of the next ``n`` requests after ``after_chunks`` chunks."""
-        _check_count("drop_next", n)
+        _check_count("drop_next", n, MAX_PENDING - len(self._drop_next))
         _check_count("after_chunks", after_chunks)
         self._drop_next.extend([after_chunks] * n)
 
     def stall(self, seconds: float) -> None:
-        """Make the engine's next batch ``seconds`` longer."""
-        self._stall_s += _check_nonneg("stall_s", seconds)
+        """Make the engine's next batch ``seconds`` longer (pending stalls add up to at most
+        :data:`MAX_DELAY_S`)."""
+        self._stall_s += _check_delay("stall_s", seconds, MAX_DELAY_S - self._stall_s)
 
     def take_stall(self) -> float:
         """The pending stall, consumed (the engine calls this when it launches a batch)."""
@@ -159,12 +194,12 @@ class Faults:
             FaultsError: Unknown field or bad value (named).
         """
         if not isinstance(doc, Mapping):
-            raise FaultsError(f"body must be a JSON object (got {doc!r})")
+            raise FaultsError(f"body must be a JSON object (got {type(doc).__name__})")
         setters: dict[str, Any] = {}
         actions: list[tuple[str, Any]] = []
         for key, value in doc.items():
             if key in ("latency_s", "snapshot_delay_s"):
-                setters[key] = _check_nonneg(key, value)
+                setters[key] = _check_delay(key, value)
             elif key in ("error_rate", "drop_rate"):
                 setters[key] = _check_prob(key, value)
             elif key == "error_status":
@@ -172,19 +207,18 @@ class Faults:
             elif key == "drop_after_chunks":
                 setters[key] = _check_count(key, value)
             elif key == "fault_paths":
-                if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
-                    raise FaultsError(f"fault_paths must be a list of paths (got {value!r})")
-                setters[key] = tuple(value)
+                setters[key] = _check_paths(value)
             elif key == "fail_next" or key == "drop_next":
-                actions.append((key, _check_count(key, value)))
+                pending = len(self._fail_next if key == "fail_next" else self._drop_next)
+                actions.append((key, _check_count(key, value, MAX_PENDING - pending)))
             elif key == "stall_s":
-                actions.append((key, _check_nonneg(key, value)))
+                actions.append((key, _check_delay(key, value, MAX_DELAY_S - self._stall_s)))
             elif key == "clear":
                 if value is not True:
                     raise FaultsError(f"clear must be true (got {value!r})")
                 actions.insert(0, (key, True))
             else:
-                raise FaultsError(f"{key} is not a fault setting")
+                raise FaultsError(f"{key!s:.80} is not a fault setting")
         if actions and actions[0][0] == "clear":
             self.clear()
         for key, value in setters.items():

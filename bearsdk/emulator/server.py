@@ -15,11 +15,21 @@
 ``GET|POST /bear/faults``  read / set fault injection (``faults.py``)
 ``POST /bear/restart``     restart the engine (``{"downtime_s": 0.5}``)
 =========================  =========================================================
+
+The admin endpoints (``POST /bear/faults``, ``POST /bear/restart``) take no
+credentials by default, which is fine on loopback (the default bind) where only
+local processes reach them. With an admin token set (environment variable
+``BEARSDK_ADMIN_TOKEN``, or :class:`HttpServer`'s ``admin_token``) they require
+``Authorization: Bearer <token>`` and answer 401 without it; an engine bound to
+any other address refuses to start without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
@@ -40,14 +50,23 @@ from bearsdk.emulator.api import (
     parse_completion,
     schema_error,
 )
+from bearsdk.emulator.faults import MAX_DELAY_S as MAX_DOWNTIME_S
 from bearsdk.emulator.faults import FaultDecision, FaultsError
 from bearsdk.emulator.metrics import CONTENT_TYPE
 from bearsdk.emulator.text import ChatMessageError
+from bearsdk.errors import BearError
 
 if TYPE_CHECKING:
     from bearsdk.emulator.engine import EmulatedEngine, RequestHandle
 
-__all__ = ["VERSION", "HttpServer", "build_app"]
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "VERSION",
+    "AdminTokenError",
+    "HttpServer",
+    "build_app",
+    "is_loopback",
+]
 
 VERSION: Final = "0.33.0"
 """The vLLM version the emulator's API follows."""
@@ -55,7 +74,29 @@ _SSE: Final = "text/event-stream; charset=utf-8"
 _NDJSON: Final = "application/x-ndjson"
 _DONE: Final = b"data: [DONE]\n\n"
 
+ADMIN_TOKEN_ENV: Final = "BEARSDK_ADMIN_TOKEN"
+"""The environment variable holding the admin endpoints' bearer token."""
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AdminTokenError(BearError, ValueError):
+    """An engine would expose its admin endpoints beyond loopback without a token."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves local processes only (``localhost``, 127/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _admin_token(inst: object, att: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or len(value) < 8):
+        raise AdminTokenError(f"{att.name} must be a string of at least 8 characters (or unset)")
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -76,8 +117,24 @@ def _drop(request: web.Request) -> None:
 @attrs.define
 class _Api:
     engine: EmulatedEngine
+    admin_token: str | None = None
 
     # -- plumbing ---------------------------------------------------------------------
+
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        """401 unless the request carries the admin token (``None``: go ahead)."""
+        if self.admin_token is None:
+            return None
+        got = request.headers.get("Authorization", "")
+        want = f"Bearer {self.admin_token}"
+        # Constant time: the comparison must not reveal how much of a guess was right.
+        if hmac.compare_digest(got.encode(), want.encode()):
+            return None
+        resp = _error(
+            ApiError(401, "admin endpoint: Authorization: Bearer <token> required", "AuthError")
+        )
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
 
     async def _enter(self, request: web.Request) -> FaultDecision:
         """Apply request-path latency and decide this request's injected faults."""
@@ -364,6 +421,8 @@ class _Api:
         return _json(self.engine.faults.to_dict())
 
     async def post_faults(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         try:
             body = await self._body(request)
             self.engine.faults.update(body)
@@ -374,6 +433,8 @@ class _Api:
         return _json(self.engine.faults.to_dict())
 
     async def restart(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         try:
             body = await self._body(request) if request.can_read_body else {}
         except ApiError as exc:
@@ -381,11 +442,16 @@ class _Api:
         if not isinstance(body, dict):
             return _error(ApiError(400, "body must be a JSON object", "BadRequestError"))
         downtime = body.get("downtime_s", 0.0)
-        if isinstance(downtime, bool) or not isinstance(downtime, (int, float)) or downtime < 0:
+        if (
+            isinstance(downtime, bool)
+            or not isinstance(downtime, (int, float))
+            or not 0 <= downtime <= MAX_DOWNTIME_S
+        ):
             return _error(
                 ApiError(
                     400,
-                    f"downtime_s must be a number >= 0 (got {downtime!r})",
+                    f"downtime_s must be a number in [0, {MAX_DOWNTIME_S:g}] "
+                    f"(got {downtime!r:.80})",
                     "BadRequestError",
                     "downtime_s",
                 )
@@ -400,9 +466,15 @@ def _split_special(text: str) -> list[str]:
     return re.split(r"(<\|[a-z_]+\|>)", text)
 
 
-def build_app(engine: EmulatedEngine) -> web.Application:
-    """The aiohttp application serving ``engine``."""
-    api = _Api(engine)
+def build_app(engine: EmulatedEngine, admin_token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``engine``.
+
+    Args:
+        engine: The engine.
+        admin_token: When set, ``POST /bear/faults`` and ``POST /bear/restart``
+            require ``Authorization: Bearer <admin_token>``.
+    """
+    api = _Api(engine, admin_token)
     app = web.Application(client_max_size=64 * 2**20)
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
@@ -420,13 +492,27 @@ def build_app(engine: EmulatedEngine) -> web.Application:
     return app
 
 
+def _env_token() -> str | None:
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
 @attrs.define
 class HttpServer:
-    """Serves one engine's API on a TCP port (started and stopped by the engine)."""
+    """Serves one engine's API on a TCP port (started and stopped by the engine).
+
+    Args:
+        engine: The engine.
+        admin_token: Bearer token of the admin endpoints (default: the
+            ``BEARSDK_ADMIN_TOKEN`` environment variable; unset: none needed,
+            which only a loopback address allows).
+    """
 
     _engine: EmulatedEngine
-    _runner: web.AppRunner | None = None
-    _port: int = 0
+    admin_token: str | None = attrs.field(
+        factory=_env_token, validator=_admin_token, repr=False, kw_only=True
+    )
+    _runner: web.AppRunner | None = attrs.field(default=None, init=False)
+    _port: int = attrs.field(default=0, init=False)
 
     @property
     def port(self) -> int:
@@ -434,9 +520,20 @@ class HttpServer:
         return self._port
 
     async def start(self, host: str, port: int) -> None:
-        """Bind and serve (``port`` 0: any free port)."""
+        """Bind and serve (``port`` 0: any free port).
+
+        Raises:
+            AdminTokenError: ``host`` is not a loopback address and no admin token is set.
+            OSError: The port cannot be bound.
+        """
+        if self.admin_token is None and not is_loopback(host):
+            raise AdminTokenError(
+                f"emulated engine: binding {host!r} would let anyone who reaches it inject "
+                f"faults and restart the engine: set {ADMIN_TOKEN_ENV} to a secret of at least "
+                "8 characters (clients send it as 'Authorization: Bearer ...'), or bind 127.0.0.1"
+            )
         runner = web.AppRunner(
-            build_app(self._engine),
+            build_app(self._engine, self.admin_token),
             access_log=None,
             handler_cancellation=True,
             shutdown_timeout=1.0,
