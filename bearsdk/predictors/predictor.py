@@ -14,6 +14,14 @@ in one compiled call. The cost of model ``j`` is::
 with prices in USD per million tokens and ``prompt_tokens`` from each model's
 tokenizer or learned estimate (:class:`~bearsdk.predictors.tokens.PromptTokenCounter`).
 These feed the utility of eq. 4, ``accuracy - lambda * cost``.
+
+**Models the heads were not trained on** get a prior (:meth:`Predictor.with_priors`),
+so that a pool of any models routes on latency before a predictor is trained for
+it: their output length is the mean of the trained models' predictions for the
+prompt (the pool-average model), their accuracy a configured score, else the
+trained models' mean for the prompt (neutral: neither better nor worse than an
+average known model), their prices the trained models' mean prices, and their
+prompt tokens the generic 4 characters per token until usage reports refine it.
 """
 
 from __future__ import annotations
@@ -150,8 +158,35 @@ def feature_matrix(
 
 def _default_counter(self: Predictor) -> PromptTokenCounter:
     return PromptTokenCounter(
-        tuple(m.name for m in self.pool), tuple(m.chars_per_token for m in self.pool)
+        tuple(m.name for m in self.pool) + tuple(name for name, _ in self.priors),
+        tuple(m.chars_per_token for m in self.pool) + (_PRIOR_CHARS_PER_TOKEN,) * len(self.priors),
     )
+
+
+def _priors(
+    value: Sequence[tuple[str, float | None]] | Mapping[str, float | None],
+) -> tuple[tuple[str, float | None], ...]:
+    return tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+
+
+_PRIOR_CHARS_PER_TOKEN: Final = 4.0
+"""Characters per prompt token assumed for a model without a trained prior (refined by usage)."""
+
+
+def _check_priors(pool: Sequence[ModelSpec], priors: Sequence[tuple[str, float | None]]) -> None:
+    known = {m.name for m in pool}
+    for name, acc in priors:
+        if not isinstance(name, str) or not name:
+            raise PredictorError("priors", "must name models by non-empty str", name)
+        if name in known:
+            raise PredictorError(f"priors.{name}", "is a model the predictor was trained on", name)
+        known.add(name)
+        if acc is not None and (
+            isinstance(acc, bool)
+            or not isinstance(acc, int | float)
+            or not 0.0 <= float(acc) <= 1.0
+        ):
+            raise PredictorError(f"priors.{name}", "accuracy must be a number in [0, 1]", acc)
 
 
 @attrs.define(repr=False)
@@ -169,6 +204,9 @@ class Predictor:
         quantiles: Quantile level of each quantile head, by head name.
         info: Provenance (data source, configuration, training metrics); JSON-able.
         relative: The relative-accuracy head (reorders the pool per prompt), if trained.
+        priors: Models the heads were not trained on, each with its accuracy
+            prior (``None``: neutral); they follow ``pool`` in :attr:`models`
+            (see the module docstring and :meth:`with_priors`).
         tokens: Prompt token counter (built from the pool when omitted).
     """
 
@@ -178,6 +216,7 @@ class Predictor:
     quantiles: dict[str, float] = attrs.field(factory=dict)
     info: dict[str, Any] = attrs.field(factory=dict)
     relative: RelativeAccuracy | None = None
+    priors: tuple[tuple[str, float | None], ...] = attrs.field(default=(), converter=_priors)
     tokens: PromptTokenCounter = attrs.field(
         default=attrs.Factory(_default_counter, takes_self=True)
     )
@@ -192,6 +231,7 @@ class Predictor:
     _heads: tuple[_impl.Forest, ...] = attrs.field(init=False, repr=False)
     _lo: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
     _hi: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
+    _prior_acc: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.pool:
@@ -225,11 +265,23 @@ class Predictor:
         }
         self._template = model_rows(self.pipeline, self.pool)
         self._index = {m.name: i for i, m in enumerate(self.pool)}
-        self._names = tuple(self._index)
         if len(self._index) != len(self.pool):
             raise PredictorError("pool", "names a model twice", [m.name for m in self.pool])
-        self._in_price = np.array([m.input_price for m in self.pool]) * _PER_MILLION
-        self._out_price = np.array([m.output_price for m in self.pool]) * _PER_MILLION
+        _check_priors(self.pool, self.priors)
+        for name, _ in self.priors:
+            self._index[name] = len(self._index)
+        self._names = tuple(self._index)
+        n_prior = len(self.priors)
+        in_price = np.array([m.input_price for m in self.pool])
+        out_price = np.array([m.output_price for m in self.pool])
+        # An unknown model is priced as the pool's average model: neither cheap nor dear.
+        in_price = np.concatenate([in_price, np.full(n_prior, in_price.mean())])
+        out_price = np.concatenate([out_price, np.full(n_prior, out_price.mean())])
+        self._in_price = in_price * _PER_MILLION
+        self._out_price = out_price * _PER_MILLION
+        self._prior_acc = np.array(
+            [np.nan if a is None else float(a) for _, a in self.priors], dtype=np.float64
+        )
         self._qheads = tuple(sorted((q, name) for name, q in self.quantiles.items()))
         self._qlevels = tuple(q for q, _ in self._qheads)
         order = self.head_order
@@ -238,7 +290,7 @@ class Predictor:
         acc_lo, acc_hi = (0.0, 1.0) if rel is None else (-np.inf, np.inf)
         self._lo = np.array([acc_lo] + [1.0] * (len(order) - 1))
         self._hi = np.array([acc_hi] + [np.inf] * (len(order) - 1))
-        if self.tokens.models != tuple(m.name for m in self.pool):
+        if self.tokens.models != self._names:
             raise PredictorError("tokens", "must count for the pool's models", self.tokens.models)
 
     def __repr__(self) -> str:
@@ -252,8 +304,37 @@ class Predictor:
 
     @property
     def models(self) -> tuple[str, ...]:
-        """Model names in pool order."""
+        """Model names in pool order, then the models with a prior (:meth:`with_priors`)."""
+        return self._names
+
+    @property
+    def trained_models(self) -> tuple[str, ...]:
+        """The models the heads were trained on (``pool``'s names)."""
         return tuple(m.name for m in self.pool)
+
+    def with_priors(self, priors: Mapping[str, float | None]) -> Predictor:
+        """Return a predictor that also covers ``priors``' models, which it was not trained on.
+
+        Each new model gets the prior of the module docstring; ``priors`` maps it
+        to its accuracy prior in [0, 1], or ``None`` for the neutral one (the
+        trained models' mean accuracy for each prompt). What the prompt token
+        counter learned so far is kept; models already covered are left as they are.
+
+        Args:
+            priors: Accuracy prior by model name.
+
+        Raises:
+            PredictorError: A prior is not a number in [0, 1].
+        """
+        new = [(name, acc) for name, acc in priors.items() if name not in self._index]
+        if not new:
+            return self
+        added: tuple[tuple[str, float | None], ...] = tuple(new)
+        return attrs.evolve(
+            self,
+            priors=self.priors + added,
+            tokens=self.tokens.extended([name for name, _ in new], _PRIOR_CHARS_PER_TOKEN),
+        )
 
     @property
     def head_order(self) -> tuple[str, ...]:
@@ -300,6 +381,8 @@ class Predictor:
         _impl.predict_pool(self.pipeline.extractor, prompt, x, heads, self._lo, self._hi, out)
         if self.relative is not None:
             self.relative.add_to(x, self.pipeline.n_features, out[0])
+        if self.priors:
+            out = self._with_prior_columns(out)
         qs: dict[float, npt.NDArray[np.float64]] = {}
         if self._qlevels and quantiles:
             # Independently trained quantile heads can cross; keep them ordered.
@@ -309,6 +392,16 @@ class Predictor:
         cost = ptok * self._in_price + out[1] * self._out_price
         return PoolPrediction(self._names, out[0], out[1], ptok, cost, qs)
 
+    def _with_prior_columns(self, out: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        full = np.empty((out.shape[0], len(self._names)))
+        k = out.shape[1]
+        full[:, :k] = out
+        # Every head but accuracy (lengths, their quantiles): the pool-average model.
+        full[1:, k:] = out[1:].mean(axis=1, keepdims=True)
+        acc = self._prior_acc
+        full[0, k:] = np.where(np.isnan(acc), float(np.clip(out[0], 0.0, 1.0).mean()), acc)
+        return full
+
     def _prompt_tokens(
         self, prompt: str, given: Sequence[int] | int | None
     ) -> npt.NDArray[np.float64]:
@@ -317,11 +410,11 @@ class Predictor:
         if isinstance(given, int) and not isinstance(given, bool):
             if given < 0:
                 raise PredictorError("prompt_tokens", "must be >= 0", given)
-            return np.full(len(self.pool), float(given))
+            return np.full(len(self._names), float(given))
         arr = np.asarray(given, dtype=np.float64)
-        if arr.shape != (len(self.pool),) or not (arr >= 0).all():
+        if arr.shape != (len(self._names),) or not (arr >= 0).all():
             raise PredictorError(
-                "prompt_tokens", f"must be an int or {len(self.pool)} counts >= 0", given
+                "prompt_tokens", f"must be an int or {len(self._names)} counts >= 0", given
             )
         return arr
 

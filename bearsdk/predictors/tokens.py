@@ -240,6 +240,28 @@ class PromptTokenCounter:
         """Return how many usage reports ``model`` has had."""
         return self._fits[self._model(model)].n
 
+    def extended(self, models: Sequence[str], chars_per_token: float = 4.0) -> PromptTokenCounter:
+        """Return a counter for this pool plus ``models``, keeping what was learned so far.
+
+        Raises:
+            PredictorError: A model is already in the pool or named twice.
+        """
+        new = tuple(models)
+        if len(set(new)) != len(new) or set(new) & set(self.models):
+            raise PredictorError("models", f"must be new to the pool {list(self.models)}", new)
+        out = PromptTokenCounter(
+            self.models + new,
+            self.chars_per_token + (float(chars_per_token),) * len(new),
+            dict(self.tokenizers),
+            self.decay,
+            self.prior_weight,
+        )
+        k = len(self.models)
+        out._fits[:k] = [attrs.evolve(f) for f in self._fits]
+        out._overhead[:k] = self._overhead
+        out._slope[:k] = self._slope
+        return out
+
     @classmethod
     def for_pool(
         cls,

@@ -10,26 +10,40 @@ file (:func:`load_pool_config`)::
     scheduler = "vllm-v1"                  # a registered policy spec
     profile = "qwen3-8b-h100"              # a batch-time profile (or batch_time = [b0, b1, b2, b3])
     snapshots = "push"                     # push | poll | shm | metrics | redis
+    accuracy_prior = 0.6                   # only for a model the predictor was not trained on
     [instances.scheduler_params]
     max_num_batched_tokens = 8192
     max_num_seqs = 256
 
 Decoding is strict: unknown keys are errors naming the instance and the field.
+
+A model the router's predictor was not trained on still routes, on latency,
+from day one: it gets the predictor's prior (:meth:`Predictor.with_priors
+<bearsdk.predictors.Predictor.with_priors>`: the pool-average output length and
+prices, accuracy ``accuracy_prior`` if given, else the trained models' mean),
+and a WARNING is logged once per model saying how to train a predictor for it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from bearsdk.errors import BearError
 from bearsdk.estimators.batch_time import BatchTimeModel
 
-__all__ = ["SNAPSHOT_MODES", "ConfigError", "InstanceConfig", "load_pool_config"]
+if TYPE_CHECKING:
+    from bearsdk.predictors import Predictor
+
+__all__ = ["SNAPSHOT_MODES", "ConfigError", "InstanceConfig", "cover_models", "load_pool_config"]
+
+_log = logging.getLogger("bearsdk.router")
 
 SNAPSHOT_MODES: Final = ("push", "poll", "shm", "metrics", "redis")
 """How the router learns an instance's state: the push stream, polling
@@ -58,6 +72,18 @@ def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
         raise ConfigError(f"{att.name} must be a number > 0 (got {value!r})")
 
 
+def _prior(inst: object, att: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not 0.0 <= value <= 1.0
+    ):
+        raise ConfigError(f"{att.name} must be a number in [0, 1] (got {value!r})")
+
+
 def _frozen_params(v: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((v or {}).items()))
 
@@ -82,6 +108,9 @@ class InstanceConfig:
         poll_interval_s: Interval of polling sources (``poll``, ``metrics``).
         shm_name: Shared-memory segment name (``shm``); default ``bear.<name>``.
         timeout_s: Per-request timeout for dispatch (connect to last byte).
+        accuracy_prior: Accuracy in [0, 1] assumed for ``model`` when the
+            predictor was not trained on it (default: neutral, the trained
+            models' mean for each prompt); ignored for a model it knows.
     """
 
     name: str
@@ -99,6 +128,7 @@ class InstanceConfig:
     poll_interval_s: float = attrs.field(default=0.05, validator=_positive)
     shm_name: str | None = None
     timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    accuracy_prior: float | None = attrs.field(default=None, validator=_prior)
 
     @property
     def bear_url(self) -> str:
@@ -175,6 +205,51 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
 
     policy(inst.scheduler, inst.params)
     return inst
+
+
+_WARNED: set[str] = set()
+
+
+def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Predictor:
+    """Return ``predictor``, extended with a prior for each model of ``configs`` it lacks.
+
+    Logs a WARNING (once per model and process) naming the model and how to
+    train a predictor that knows it.
+
+    Raises:
+        ConfigError: Two instances of one unknown model give different priors.
+    """
+    priors: dict[str, float | None] = {}
+    given = dict(predictor.priors)
+    for cfg in configs:
+        if cfg.model in predictor.trained_models:
+            continue
+        if cfg.model in given and given[cfg.model] != cfg.accuracy_prior:
+            raise ConfigError(
+                f"instance {cfg.name!r}: accuracy_prior {cfg.accuracy_prior!r} differs from "
+                f"another instance's for model {cfg.model!r} ({given[cfg.model]!r})"
+            )
+        if cfg.model in priors and priors[cfg.model] != cfg.accuracy_prior:
+            raise ConfigError(
+                f"instance {cfg.name!r}: accuracy_prior {cfg.accuracy_prior!r} differs from "
+                f"another instance's for model {cfg.model!r} ({priors[cfg.model]!r})"
+            )
+        priors[cfg.model] = cfg.accuracy_prior
+    for model, acc in priors.items():
+        if model not in _WARNED:
+            _WARNED.add(model)
+            prior = "neutral" if acc is None else f"{acc:g}"
+            _log.warning(
+                "model %r is not in the predictor's pool (%s): routing it with a prior "
+                "(pool-average output length and prices, accuracy %s); to predict it, train "
+                "a predictor on your evaluations with `bearsdk train --data EVALS.jsonl "
+                "--pool MODELS.json --out DIR` and pass AsyncRouter(..., "
+                "predictor=Predictor.load(DIR)) (docs/predictors.md)",
+                model,
+                ", ".join(predictor.trained_models),
+                prior,
+            )
+    return predictor.with_priors(priors)
 
 
 def load_pool_config(source: str | Path | Mapping[str, Any]) -> list[InstanceConfig]:

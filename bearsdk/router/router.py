@@ -53,7 +53,7 @@ from bearsdk.estimators.prefill import PrefillThroughputEstimator, nominal_theta
 from bearsdk.estimators.stats import InstanceStats
 from bearsdk.predictors import PoolPrediction, Predictor
 from bearsdk.router.breaker import CircuitBreaker
-from bearsdk.router.config import ConfigError, InstanceConfig, load_pool_config
+from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
 from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import policy as bind_policy
@@ -253,6 +253,9 @@ class AsyncRouter:
                 f"instance {cfg.name!r}: snapshots = 'redis' needs a cluster "
                 "(AsyncRouter(..., cluster=bearsdk.cluster.Cluster(...)))"
             )
+        # A model the predictor was not trained on routes with the predictor's prior.
+        self.predictor = cover_models(self.predictor, [cfg])
+        self._models = list(self.predictor.models)
         try:
             idx = self._models.index(cfg.model)
         except ValueError:
