@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import reprlib
 import statistics
 import time
 import uuid
@@ -63,11 +64,69 @@ from bearsdk.state import InstanceState, ShadowView, SnapshotCache, StalenessPol
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
 
-__all__ = ["AsyncRouter", "ChatStream", "DispatchError", "NoInstanceError", "RouterHooks"]
+__all__ = [
+    "AsyncRouter",
+    "ChatStream",
+    "DispatchError",
+    "NoInstanceError",
+    "RequestError",
+    "RouterHooks",
+]
 
 log = logging.getLogger("bearsdk.router")
 
 _MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
+# A streamed response's head comes before generation starts: waiting longer than
+# this for it means the engine is stuck, whatever the request's own budget.
+_STREAM_HEAD_TIMEOUT_S = 30.0
+# Output caps above this are no request's (and overflow the engines' int32 counts).
+_MAX_TOKENS_LIMIT = 2**31 - 1
+# Error messages show at most this much of a rejected value.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
+def _short(value: object) -> str:
+    """A bounded ``repr`` for error messages (safe on huge or deeply nested values)."""
+    return _REPR.repr(value)
+
+
+class RequestError(BearError, ValueError):
+    """A request argument is invalid; the message names the argument and its value."""
+
+
+def _check_target(value: object) -> float | None:
+    """``ttft_target``: seconds > 0 (``inf``: no target), or ``None`` for the rule's."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"ttft_target must be a number of seconds > 0 (got {_short(value)})")
+    target = float(value)
+    if not target > 0:  # NaN fails this too
+        raise RequestError(f"ttft_target must be a number of seconds > 0 (got {_short(value)})")
+    return target
+
+
+def _check_max_tokens(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_TOKENS_LIMIT:
+        raise RequestError(
+            f"{name} must be an integer in [1, {_MAX_TOKENS_LIMIT}] (got {_short(value)})"
+        )
+    return value
+
+
+def _check_timeout(value: object) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise RequestError(f"timeout_s must be a finite number > 0 (got {_short(value)})")
+    return float(value)
 
 
 class NoInstanceError(BearError, RuntimeError):
@@ -197,6 +256,15 @@ class AsyncRouter:
             for it (the rest at the mean of those); ``"calibrated"``, as
             quantiles of the lengths seen completing
             (:class:`~bearsdk.estimators.RememberedLengths`).
+        breaker: The circuit breaker's settings; each instance gets its own
+            breaker with them (default: :class:`CircuitBreaker`'s defaults).
+        idle_timeout_s: Longest silence of an engine once its response head
+            has arrived (between body bytes, between stream chunks): longer is
+            a failure of the instance, and the request ends with a
+            :class:`DispatchError`.
+        max_event_bytes: Largest SSE line or event of a streamed response
+            (larger: the stream is closed with a :class:`DispatchError`).
+        max_body_bytes: Largest whole (not streamed) response body.
     """
 
     def __init__(
@@ -214,7 +282,29 @@ class AsyncRouter:
         calibrate: bool = True,
         cluster: Cluster | None = None,
         resident_lengths: Literal["predicted", "calibrated"] = "predicted",
+        breaker: CircuitBreaker | None = None,
+        idle_timeout_s: float = 60.0,
+        max_event_bytes: int = 1 << 20,
+        max_body_bytes: int = 64 << 20,
     ) -> None:
+        if isinstance(idle_timeout_s, bool) or not (
+            isinstance(idle_timeout_s, int | float)
+            and math.isfinite(idle_timeout_s)
+            and idle_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"idle_timeout_s must be a finite number > 0 (got {_short(idle_timeout_s)})"
+            )
+        for field, size in (
+            ("max_event_bytes", max_event_bytes),
+            ("max_body_bytes", max_body_bytes),
+        ):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 64:
+                raise ConfigError(f"{field} must be an integer >= 64 (got {_short(size)})")
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.max_event_bytes = max_event_bytes
+        self.max_body_bytes = max_body_bytes
+        self._breaker = breaker if breaker is not None else CircuitBreaker()
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         if not configs:
             raise ConfigError("pool: needs at least one instance")
@@ -280,7 +370,7 @@ class AsyncRouter:
             cache=cache,
             state=state,
             stats=InstanceStats(),
-            breaker=CircuitBreaker(),
+            breaker=attrs.evolve(self._breaker),
             prefill=PrefillThroughputEstimator(theta_pre=nominal_theta_pre(bt)),
             # Unmodified vLLM: the router's own events, reconciled with /metrics.
             shadow=(
@@ -476,8 +566,9 @@ class AsyncRouter:
 
         Args:
             prompt: A prompt, or chat messages.
-            ttft_target: The request's TTFT target in seconds (default: the
-                router's target rule).
+            ttft_target: The request's TTFT target in seconds, > 0 (default: the
+                router's target rule; ``math.inf``: no target, every instance
+                is on time).
             max_tokens: The request's output cap.
             request_id: Id to record (default: a fresh one).
             exclude: Instances not to consider.
@@ -486,9 +577,12 @@ class AsyncRouter:
             The decision, with every candidate's predictions.
 
         Raises:
+            RequestError: ``ttft_target`` or ``max_tokens`` is not a valid value.
             NoInstanceError: No instance can take the request.
         """
         t0 = time.perf_counter()
+        ttft_target = _check_target(ttft_target)
+        max_tokens = _check_max_tokens("max_tokens", max_tokens)
         now = self.clock()
         pred = self.predictor.predict(_prompt_text(prompt), quantiles=False)
         insts = [
@@ -501,9 +595,7 @@ class AsyncRouter:
                 "no instance can take the request (all drained, removed or failing)"
             )
         prompt_tokens = int(pred.prompt_tokens[insts[0].model_index])
-        target = (
-            self.targets.target_for(prompt_tokens) if ttft_target is None else float(ttft_target)
-        )
+        target = self.targets.target_for(prompt_tokens) if ttft_target is None else ttft_target
         options, extra = self._options(insts, pred, max_tokens, now)
         sel = self.policy.select(options, target)
         chosen = insts[sel.index]
@@ -742,36 +834,43 @@ class AsyncRouter:
     ) -> ChatStream | ChatResponse:
         if self._session is None:
             raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise BearError(f"max_tokens must be a positive integer (got {max_tokens!r})")
-        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise BearError(f"timeout_s must be a finite number > 0 (got {timeout_s!r})")
+        max_tokens = _check_max_tokens("max_tokens", body.get("max_tokens"))
+        max_completion = _check_max_tokens(
+            "max_completion_tokens", body.get("max_completion_tokens")
+        )
+        timeout_s = _check_timeout(timeout_s)
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, Mapping):
+            raise RequestError(f"stream_options must be an object (got {_short(options)})")
         text = _prompt_text(prompt)
-        decision = self.decide(prompt, ttft_target=ttft_target, max_tokens=max_tokens)
-        order = self._fallback_order(decision)
-        caller_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        decision = self.decide(
+            prompt, ttft_target=ttft_target, max_tokens=max_tokens or max_completion
+        )
+        caller_usage = bool((options or {}).get("include_usage"))
         body["stream"] = stream
         if stream:
             # Usage feeds calibration; the caller sees it only if it asked.
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            body["stream_options"] = {**(options or {}), "include_usage": True}
         attempts: list[tuple[str, str]] = []
-        for name in order:
+        for name in self._fallback_order(decision):
+            if len(attempts) > self.retries:
+                break
             inst = self._instances.get(name)
             if inst is None or inst.draining:
                 continue
-            now = self.clock()
-            if not inst.breaker.allows(now):
+            if not inst.breaker.allows(self.clock()):
                 continue
             try:
-                resp, sent_at = await self._post(inst, path, body, decision, timeout_s)
+                resp, sent_at = await self._post(inst, path, body, decision, timeout_s, stream)
             except _Retryable as exc:
-                attempts.append((name, str(exc)))
-                self._failed(inst, decision, str(exc))
+                attempts.append((name, exc.why))
+                self._failed(inst, decision, exc.why, fault=exc.fault)
                 continue
             if stream:
-                return ChatStream(self, inst, decision, resp, sent_at, caller_usage, text)
-            return await self._read_whole(inst, decision, resp, sent_at, text)
+                return ChatStream(
+                    self, inst, decision, resp, sent_at, caller_usage, text, timeout_s is not None
+                )
+            return await self._read_whole(inst, decision, resp, sent_at, text, timeout_s)
         raise DispatchError(
             f"request {decision.request_id}: every instance tried failed "
             f"({'; '.join(f'{n}: {e}' for n, e in attempts) or 'none routable'})",
@@ -780,14 +879,19 @@ class AsyncRouter:
         )
 
     def _fallback_order(self, d: Decision) -> list[str]:
-        """The chosen instance, then the next best by the policy's scores."""
+        """The chosen instance, then the others best first by the policy's scores.
+
+        Every one is listed: :meth:`_send` stops after ``retries`` further
+        attempts, so instances that cannot be tried (drained, removed, circuit
+        broken) do not use up the retries.
+        """
         rest = sorted(
             (i for i in range(len(d.candidates)) if i != d.index),
             key=lambda i: (
                 -d.candidates[i].score if not math.isnan(d.candidates[i].score) else math.inf
             ),
         )
-        return [d.instance, *(d.candidates[i].instance for i in rest[: self.retries])]
+        return [d.instance, *(d.candidates[i].instance for i in rest)]
 
     async def _post(
         self,
@@ -796,58 +900,125 @@ class AsyncRouter:
         body: dict[str, Any],
         d: Decision,
         timeout_s: float | None = None,
+        stream: bool = True,
     ) -> tuple[aiohttp.ClientResponse, float]:
         assert self._session is not None
         cfg = inst.config
         total = cfg.timeout_s if timeout_s is None else timeout_s
+        # A whole response's head comes only once it is generated: the request's
+        # budget bounds it; a stream's head must come soon after sending.
+        head = min(total, _STREAM_HEAD_TIMEOUT_S) if stream else total
         body["model"] = cfg.engine_model
         now = self.clock()
         inst.breaker.on_send(now)
         self._dispatched(inst, d, now)
         try:
-            with anyio.fail_after(min(total, 30.0)):
-                resp = await self._session.post(
-                    cfg.url + path,
-                    data=orjson.dumps(body),
-                    headers={"Content-Type": "application/json", "X-Request-Id": d.request_id},
-                    timeout=aiohttp.ClientTimeout(total=total),
+            try:
+                with anyio.fail_after(head):
+                    resp = await self._session.post(
+                        cfg.url + path,
+                        data=orjson.dumps(body),
+                        headers={"Content-Type": "application/json", "X-Request-Id": d.request_id},
+                        timeout=aiohttp.ClientTimeout(total=total),
+                    )
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # The caller's own budget running out says nothing about the
+                # instance (a 1 ns deadline must not open every breaker); a
+                # connect timeout or a stuck stream head does.
+                callers = (
+                    timeout_s is not None
+                    and head == total
+                    and isinstance(exc, TimeoutError)
+                    and not isinstance(exc, aiohttp.ServerTimeoutError)
                 )
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise _Retryable(
+                    f"{type(exc).__name__}: {_exc_text(exc)}", fault=not callers
+                ) from None
+            if resp.status >= 400:
+                try:
+                    with anyio.move_on_after(min(self.idle_timeout_s, 5.0)):
+                        raw = await resp.content.read(64 << 10)
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    raw = b""
+                finally:
+                    resp.close()
+                text = raw.decode("utf-8", "replace")
+                if resp.status >= 500:
+                    raise _Retryable(f"HTTP {resp.status}: {text[:200]}")
+                # The request itself is bad: another instance would refuse it too.
+                self._undispatched(inst, d)
+                inst.breaker.on_success()
+                raise EngineRequestError(resp.status, text, d)
+        except _Retryable:
             self._undispatched(inst, d)
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if resp.status >= 500:
-            text = (await resp.read())[:200].decode("utf-8", "replace")
-            resp.release()
+            raise
+        except EngineRequestError:
+            raise
+        except BaseException:
+            # Cancelled (or a bug) while sending: the request is off the books,
+            # and a probe slot it held is free for the next request.
             self._undispatched(inst, d)
-            raise _Retryable(f"HTTP {resp.status}: {text}")
-        if resp.status >= 400:
-            # The request itself is bad: another instance would refuse it too.
-            text = await resp.text()
-            resp.release()
-            self._undispatched(inst, d)
-            inst.breaker.on_success()
-            raise EngineRequestError(resp.status, text, d)
+            inst.breaker.on_abandon()
+            raise
         return resp, now
 
     async def _read_whole(
-        self, inst: _Instance, d: Decision, resp: aiohttp.ClientResponse, sent_at: float, text: str
+        self,
+        inst: _Instance,
+        d: Decision,
+        resp: aiohttp.ClientResponse,
+        sent_at: float,
+        text: str,
+        timeout_s: float | None,
     ) -> ChatResponse:
         try:
-            raw = await resp.read()
-        except (aiohttp.ClientError, OSError) as exc:
+            raw = await _read_body(resp, self.max_body_bytes, self.idle_timeout_s)
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise _BodyError(f"the response is not JSON ({exc})") from None
+            if not isinstance(doc, dict):
+                raise _BodyError(f"the response is not a JSON object (got {_short(doc)})")
+        except (
+            _BodyError,
+            aiohttp.ClientError,
+            OSError,
+            TimeoutError,
+            orjson.JSONDecodeError,
+        ) as exc:
+            resp.close()
             self._complete(inst, d, "error", None, text)
+            callers = (
+                timeout_s is not None
+                and isinstance(exc, TimeoutError)
+                and not isinstance(exc, aiohttp.ServerTimeoutError)
+            )
+            why = (
+                exc.why
+                if isinstance(exc, _BodyError)
+                else f"{type(exc).__name__}: {_exc_text(exc)}"
+            )
+            if callers:
+                inst.breaker.on_abandon()
+            else:
+                self._failed(inst, d, why, before_head=False)
             raise DispatchError(
-                f"request {d.request_id}: {inst.name}: {exc}", [(inst.name, str(exc))], d
+                f"request {d.request_id}: {inst.name}: {why}", [(inst.name, why)], d
             ) from None
-        finally:
-            resp.release()
-        doc = ChatResponse(orjson.loads(raw))
-        doc.decision, doc.instance = d, inst.name
-        doc.latency_s = self.clock() - sent_at
+        except BaseException:
+            resp.close()
+            self._complete(inst, d, "cancelled", None, text)
+            inst.breaker.on_abandon()
+            raise
+        resp.release()
+        result = ChatResponse(doc)
+        result.decision, result.instance = d, inst.name
+        result.latency_s = self.clock() - sent_at
         # No first token was seen, only the whole answer: it teaches nothing about TTFT.
         inst.breaker.on_success()
-        self._complete(inst, d, "ok", doc.get("usage") or {}, text)
-        return doc
+        usage = result.get("usage")
+        self._complete(inst, d, "ok", usage if isinstance(usage, Mapping) else None, text)
+        return result
 
     # ------------------------------------------------------------------ feedback
 
@@ -869,15 +1040,28 @@ class AsyncRouter:
         if inst.shadow is not None:
             inst.shadow.on_complete(d.request_id)
 
-    def _failed(self, inst: _Instance, d: Decision, why: str) -> None:
-        inst.breaker.on_failure(self.clock())
-        log.warning("request %s: %s failed before answering: %s", d.request_id, inst.name, why)
-        for hook in self.hooks.on_failure:
-            hook(d, inst.name, why)
+    def _failed(
+        self,
+        inst: _Instance,
+        d: Decision,
+        why: str,
+        *,
+        fault: bool = True,
+        before_head: bool = True,
+    ) -> None:
+        if fault:
+            inst.breaker.on_failure(self.clock())
+        else:
+            inst.breaker.on_abandon()
+        when = "before answering" if before_head else "while answering"
+        log.warning("request %s: %s failed %s: %s", d.request_id, inst.name, when, why)
+        if before_head:
+            for hook in self.hooks.on_failure:
+                hook(d, inst.name, why)
 
     def _first_token(self, inst: _Instance, d: Decision, observed: float) -> None:
         now = self.clock()
-        inst.breaker.on_success()
+        inst.breaker.on_answer()
         inst.state.on_tokens(d.request_id, 1)
         inst.stats.on_first_token(d.request_id, now)
         if inst.shadow is not None:
@@ -982,7 +1166,45 @@ class AsyncRouter:
 
 
 class _Retryable(Exception):
-    pass
+    """An attempt failed before the response head: the next instance is tried.
+
+    ``fault``: the instance is to blame (counts against its breaker).
+    """
+
+    def __init__(self, why: str, *, fault: bool = True) -> None:
+        super().__init__(why)
+        self.why = why
+        self.fault = fault
+
+
+class _BodyError(Exception):
+    """A response body that breaks the protocol (too large, not JSON)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _exc_text(exc: BaseException) -> str:
+    text = str(exc) or "no details"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+async def _read_body(resp: aiohttp.ClientResponse, limit: int, idle_s: float) -> bytes:
+    """The whole body, at most ``limit`` bytes, with at most ``idle_s`` between pieces."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        with anyio.move_on_after(idle_s) as scope:
+            piece = await resp.content.readany()
+        if scope.cancelled_caught:
+            raise _BodyError(f"the body stalled for {idle_s:g} s (idle_timeout_s)")
+        if not piece:
+            return b"".join(parts)
+        size += len(piece)
+        if size > limit:
+            raise _BodyError(f"the body is larger than {limit} bytes (max_body_bytes)")
+        parts.append(piece)
 
 
 class EngineRequestError(BearError, RuntimeError):
@@ -1024,7 +1246,10 @@ class ChatStream:
     Iterate it (``async for chunk in stream``) for parsed chunk objects, or
     :meth:`raw` for the SSE bytes as the engine sent them (proxies). Closing it
     early (``await stream.aclose()``, or leaving ``async with``) closes the
-    connection, which aborts the request at the engine.
+    connection, which aborts the request at the engine. A stream that breaks,
+    stalls longer than the router's ``idle_timeout_s``, sends an event that is
+    not a JSON object or one larger than ``max_event_bytes`` raises
+    :class:`DispatchError`; the connection is closed and the request ends.
 
     Attributes:
         decision: The routing decision.
@@ -1042,6 +1267,7 @@ class ChatStream:
         sent_at: float,
         caller_usage: bool,
         prompt_text: str = "",
+        caller_deadline: bool = False,
     ) -> None:
         self._router = router
         self._prompt_text = prompt_text
@@ -1051,15 +1277,23 @@ class ChatStream:
         self._resp = resp
         self._sent_at = sent_at
         self._caller_usage = caller_usage
+        self._caller_deadline = caller_deadline
         self.ttft_s: float | None = None
         self.usage: dict[str, Any] | None = None
         self._tokens = 0
         self._done = False
         self._eof = False
-        self._buf = b""
-        # Parsed-out ``data:`` payloads not yet handed over. The stream is its own
-        # iterator (no async-generator layers): a chunk costs a few microseconds.
-        self._ready: deque[bytes] = deque()
+        # Incremental SSE parsing: bytes not yet consumed, from where the line
+        # search resumes (each byte is searched once, whatever the pieces' sizes).
+        self._buf = bytearray()
+        self._scan = 0
+        self._data: list[bytes] = []  # the current event's data lines
+        self._event_size = 0
+        self._limit = router.max_event_bytes
+        self._idle_s = router.idle_timeout_s
+        # Parsed-out events not yet handed over: (data, object). The stream is its
+        # own iterator (no async-generator layers): a chunk costs a few microseconds.
+        self._ready: deque[tuple[bytes, dict[str, Any]]] = deque()
 
     async def __aenter__(self) -> ChatStream:
         return self
@@ -1070,8 +1304,10 @@ class ChatStream:
     async def aclose(self) -> None:
         """Stop reading; the engine aborts the request when the connection closes."""
         if not self._done:
+            self._inst.breaker.on_abandon()
             self._finish("cancelled")
         self._eof = True
+        self._ready.clear()
         self._resp.close()
 
     def _finish(self, outcome: str) -> None:
@@ -1086,84 +1322,143 @@ class ChatStream:
 
     async def __anext__(self) -> dict[str, Any]:
         while True:
-            data = await self._next_data()
-            if data is None:
+            event = await self._next_event()
+            if event is None:
                 raise StopAsyncIteration
-            doc: dict[str, Any] = orjson.loads(data)
-            if not self._caller_usage and not doc.get("choices") and doc.get("usage") is not None:
-                continue  # the usage chunk the router asked for on its own behalf
-            return doc
+            if self._hidden(event[1]):
+                continue
+            return event[1]
+
+    def _hidden(self, doc: dict[str, Any]) -> bool:
+        """The usage chunk the router asked for on its own behalf."""
+        return not self._caller_usage and not doc.get("choices") and doc.get("usage") is not None
 
     async def raw(self) -> AsyncIterator[bytes]:
         """The SSE events as the engine sent them (``data: ...\\n\\n``)."""
         while True:
-            data = await self._next_data()
-            if data is None:
+            event = await self._next_event()
+            if event is None:
                 break
-            if not self._caller_usage and data.startswith(b"{") and b'"choices":[]' in data:
+            data, doc = event
+            if self._hidden(doc):
                 continue
+            if b"\n" in data:  # a multi-line event: one line for the proxy's clients
+                data = orjson.dumps(doc)
             yield b"data: " + data + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    async def _next_data(self) -> bytes | None:
-        """The next ``data:`` payload, or ``None`` at the end of the stream."""
+    async def _next_event(self) -> tuple[bytes, dict[str, Any]] | None:
+        """The next event, or ``None`` at the end of the stream."""
         while not self._ready:
             if self._eof:
                 return None
             try:
-                piece = await self._resp.content.readany()
-            except (aiohttp.ClientError, OSError) as exc:
-                self._eof = True
-                self._finish("error")
-                self._resp.release()
-                raise DispatchError(
-                    f"request {self.decision.request_id}: stream from {self.instance} broke: {exc}",
-                    [(self.instance, str(exc))],
-                    self.decision,
-                ) from None
+                with anyio.move_on_after(self._idle_s) as idle:
+                    piece = await self._resp.content.readany()
+                if idle.cancelled_caught:
+                    self._fail(f"stalled for {self._idle_s:g} s (idle_timeout_s)")
+                if not piece:  # the engine closed the stream without [DONE]
+                    self._end()
+                    return None
+                self._parse(piece)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # A timeout here is the request's total budget; the caller's own
+                # budget is not the instance's fault.
+                fault = not (
+                    self._caller_deadline
+                    and isinstance(exc, TimeoutError)
+                    and not isinstance(exc, aiohttp.ServerTimeoutError)
+                )
+                self._fail(f"{type(exc).__name__}: {_exc_text(exc)}", fault=fault)
+            except DispatchError:
+                raise
             except BaseException:
                 # Cancelled while waiting: the caller gave up on the request.
                 self._eof = True
+                self._inst.breaker.on_abandon()
                 self._finish("cancelled")
                 self._resp.close()
                 raise
-            if not piece:  # the engine closed the stream without [DONE]
-                self._end()
-                return None
-            self._parse(piece)
         return self._ready.popleft()
 
+    def _fail(self, why: str, *, fault: bool = True) -> None:
+        """End the stream on the instance's failure: close it, complete, raise."""
+        self._eof = True
+        self._ready.clear()
+        self._resp.close()
+        if fault:
+            self._router._failed(self._inst, self.decision, why, before_head=False)
+        else:
+            self._inst.breaker.on_abandon()
+        self._finish("error")
+        raise DispatchError(
+            f"request {self.decision.request_id}: stream from {self.instance} broke: {why}",
+            [(self.instance, why)],
+            self.decision,
+        )
+
     def _parse(self, piece: bytes) -> None:
-        buf = self._buf + piece
-        start = 0
+        buf = self._buf
+        buf += piece
+        pos = 0
         while True:
-            cut = buf.find(b"\n\n", start)
-            if cut < 0:
+            nl = buf.find(b"\n", self._scan)
+            if nl < 0:
                 break
-            for line in buf[start:cut].split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    self._buf = b""
-                    self._end()
+            end = nl - 1 if nl > pos and buf[nl - 1] == 13 else nl  # CRLF
+            line = bytes(buf[pos:end])
+            pos = self._scan = nl + 1
+            if not line:
+                if self._data and self._dispatch():
                     return
-                self._observe(data)
-                self._ready.append(data)
-            start = cut + 2
-        self._buf = buf[start:]
+            elif line.startswith(b"data:"):
+                data = line[5:]
+                if data.startswith(b" "):
+                    data = data[1:]
+                self._event_size += len(data) + 1
+                if self._event_size > self._limit:
+                    self._fail(f"an event is larger than {self._limit} bytes (max_event_bytes)")
+                self._data.append(data)
+            # Other fields (event:, id:, retry:) and comments carry nothing here.
+        if pos:
+            del buf[:pos]
+            self._scan -= pos
+        self._scan = len(buf)
+        if len(buf) > self._limit:
+            self._fail(f"a line is longer than {self._limit} bytes (max_event_bytes)")
+
+    def _dispatch(self) -> bool:
+        """Hand over the event just ended; True at ``[DONE]``."""
+        data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+        self._data = []
+        self._event_size = 0
+        if data == b"[DONE]":
+            self._buf.clear()
+            self._scan = 0
+            self._end()
+            return True
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            self._fail(f"an event is not a JSON object (got {_short(data[:80])})")
+        self._observe(doc)
+        self._ready.append((data, doc))
+        return False
 
     def _end(self) -> None:
         self._eof = True
+        if not self._done:
+            self._inst.breaker.on_success()
         self._finish("ok")
         self._resp.release()
 
-    def _observe(self, data: bytes) -> None:
+    def _observe(self, doc: dict[str, Any]) -> None:
         if self.ttft_s is None:
             self.ttft_s = self._router.clock() - self._sent_at
             self._router._first_token(self._inst, self.decision, self.ttft_s)
-        if b'"usage":{' in data:
-            doc = orjson.loads(data)
-            if doc.get("usage"):
-                self.usage = doc["usage"]
+        usage = doc.get("usage")
+        if usage and isinstance(usage, dict):
+            self.usage = usage
         self._tokens += 1
