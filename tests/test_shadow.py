@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import anyio
@@ -199,9 +200,15 @@ async def test_shadow_against_the_emulated_engine() -> None:
             entry = cache.entry
             assert entry is not None
             assert sum(1 for rid in entry.snapshot.ids if rid.startswith("~phantom")) == 4
-            est_ttft = state.ttft(500)
+            # Pinned to the capture time: a loaded machine can age the snapshot past
+            # ``fast_forward_after_s`` (10 ms) between ``seen()`` and this call, and an
+            # aged snapshot is (rightly) fast-forwarded; both modes are checked.
+            est_ttft = state.ttft(500, now=entry.captured)
             assert est_ttft.mode == "bea"
             assert est_ttft.ttft_s > 0
+            aged = state.ttft(500, now=entry.captured + 0.5)
+            assert aged.mode == "fast-forward"
+            assert 0 < aged.ttft_s < math.inf
             for h in mine:
                 eng.abort(h.id)
                 view.on_complete(h.id)
