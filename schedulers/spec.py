@@ -42,15 +42,17 @@ policy, the field and the value (``scheduler 'sarathi': chunk_size must be > 0
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
-from bearsdk.errors import SpecError
+from bearsdk.errors import SpecError, short_repr
+from bearsdk.snapshot import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, MAX_REQUEST_TOKENS, MAX_REQUESTS
 
 __all__ = [
     "SPEC_SCHEMA",
@@ -78,6 +80,28 @@ ALLOCATE: Final = ("on-demand", "prompt", "max-length")
 WATERMARK_APPLIES: Final = ("always", "while-running", "never")
 VICTIMS: Final = ("newest", "none")
 REQUEUE: Final = ("front", "back")
+
+# Numeric parameters are bounded physically, with the caps snapshots have
+# (docs/snapshots.md, "Bounds"): a policy then never asks a replay for more
+# than a snapshot could (a block_size of 10**12 made the compiled one raise
+# MemoryError), and every count stays far inside int32.
+MAX_TOKEN_BUDGET: Final = MAX_REQUEST_TOKENS
+MAX_SEQS: Final = MAX_REQUESTS
+MAX_MODEL_LEN: Final = MAX_REQUEST_TOKENS
+
+
+def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for a close candidate, else ``""``."""
+    if len(word) > 200:  # a huge key is no typo; difflib is quadratic
+        return ""
+    close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _stages_repr(stages: tuple[str, ...]) -> str:
+    if len(stages) > len(STAGES) * 2:
+        return short_repr(stages)
+    return repr([x if len(x) <= 40 else short_repr(x, 40) for x in stages])
 
 
 @attrs.frozen
@@ -225,9 +249,21 @@ class Policy:
         return int(self.watermark * self.num_blocks) if self.num_blocks > 0 else 0
 
     def with_kv(self, block_size: int, num_blocks: int) -> Policy:
-        """Return this policy with the KV geometry an engine reported."""
+        """Return this policy with the KV geometry an engine reported.
+
+        Raises:
+            SpecError: A value outside the physical bounds.
+        """
         if block_size == self.block_size and num_blocks == self.num_blocks:
             return self
+        for field, v, lo, hi in (
+            ("kv.block_size", block_size, 1, MAX_BLOCK_SIZE),
+            ("kv.num_blocks", num_blocks, 0, MAX_NUM_BLOCKS),
+        ):
+            if type(v) is not int or not lo <= v <= hi:
+                raise SpecError(
+                    self.name, field, f"must be in [{lo}, {hi}] (got {short_repr(v)})", v
+                )
         return attrs.evolve(self, block_size=block_size, num_blocks=num_blocks)
 
     def param(self, name: str) -> ParamValue:
@@ -279,8 +315,29 @@ class SchedulerSpec:
 
     def __attrs_post_init__(self) -> None:
         # Validate the defaults once, so a broken spec fails at registration,
-        # not at the first replay.
+        # not at the first replay. A parameter no block uses is a typo (its
+        # intended reference then fails too; naming the unused one is clearer).
+        refs = self._references()
+        for key in self.params:
+            if key not in refs:
+                undeclared = refs - set(self.params)
+                raise SpecError(
+                    self.name,
+                    f"params.{key}",
+                    f"is not used by any block{_did_you_mean(key, undeclared)}",
+                    self.params[key],
+                )
         self.bind()
+
+    def _references(self) -> set[str]:
+        out = set()
+        for section in _BLOCK_TYPES:
+            block = getattr(self, section)
+            for f in attrs.fields(type(block)):
+                v = getattr(block, f.name)
+                if isinstance(v, str) and v.startswith("$"):
+                    out.add(v[1:])
+        return out
 
     def bind(self, overrides: Mapping[str, object] | None = None) -> Policy:
         """Resolve parameter references and validate into a :class:`Policy`.
@@ -300,8 +357,12 @@ class SchedulerSpec:
         for key, raw in (overrides or {}).items():
             if key not in self.params:
                 known = ", ".join(sorted(self.params)) or "none"
+                hint = _did_you_mean(key, self.params) if isinstance(key, str) else ""
                 raise SpecError(
-                    self.name, key, f"is not a parameter of this scheduler (known: {known})", raw
+                    self.name,
+                    key if isinstance(key, str) else short_repr(key),
+                    f"is not a parameter of this scheduler{hint} (known: {known})",
+                    raw,
                 )
             values[key] = _coerce(self.name, key, raw, self.params[key])
         return _Binder(self, values).policy()
@@ -321,39 +382,46 @@ class _Binder:
             if not ref.startswith("$"):
                 raise self.err(
                     f"{block}.{field}",
-                    f"must be a literal or a '$param' reference (got {ref!r})",
+                    f"must be a literal or a '$param' reference (got {short_repr(ref)})",
                     ref,
                 )
             name = ref[1:]
             if name not in self.values:
-                raise self.err(f"{block}.{field}", f"refers to unknown parameter {name!r}", ref)
+                raise self.err(
+                    f"{block}.{field}",
+                    f"refers to unknown parameter {short_repr(name)}"
+                    f"{_did_you_mean(name, self.values)}",
+                    ref,
+                )
             return self.values[name], name
         return ref, f"{block}.{field}"
 
-    def int_(self, block: str, field: str, ref: Ref, lo: int) -> int:
+    def int_(self, block: str, field: str, ref: Ref, lo: int, hi: int) -> int:
         v, label = self.get(block, field, ref)
         if type(v) is not int:
-            raise self.err(label, f"must be an integer (got {v!r})", v)
+            raise self.err(label, f"must be an integer (got {short_repr(v)})", v)
         if v < lo:
             raise self.err(label, f"must be {'> 0' if lo == 1 else f'>= {lo}'} (got {v})", v)
+        if v > hi:
+            raise self.err(label, f"must be <= {hi} (got {short_repr(v)})", v)
         return v
 
     def bool_(self, block: str, field: str, ref: Ref) -> bool:
         v, label = self.get(block, field, ref)
         if type(v) is not bool:
-            raise self.err(label, f"must be true or false (got {v!r})", v)
+            raise self.err(label, f"must be true or false (got {short_repr(v)})", v)
         return v
 
     def frac(self, block: str, field: str, ref: Ref) -> float:
         v, label = self.get(block, field, ref)
         if type(v) not in (int, float) or not (0.0 <= float(v) < 1.0) or math.isnan(float(v)):
-            raise self.err(label, f"must be a fraction in [0, 1) (got {v!r})", v)
+            raise self.err(label, f"must be a fraction in [0, 1) (got {short_repr(v)})", v)
         return float(v)
 
     def choice(self, block: str, field: str, v: str, allowed: tuple[str, ...]) -> str:
         if v not in allowed:
             opts = ", ".join(repr(a) for a in allowed)
-            raise self.err(f"{block}.{field}", f"must be one of {opts} (got {v!r})", v)
+            raise self.err(f"{block}.{field}", f"must be one of {opts} (got {short_repr(v)})", v)
         return v
 
     def policy(self) -> Policy:
@@ -366,39 +434,43 @@ class _Binder:
             self.choice("batch", "stages", st, STAGES)
         if len(set(stages)) != len(stages):
             raise self.err(
-                "batch.stages", f"must not repeat a stage (got {list(stages)})", list(stages)
+                "batch.stages",
+                f"must not repeat a stage (got {_stages_repr(stages)})",
+                list(stages),
             )
         if "waiting" not in stages:
             raise self.err(
-                "batch.stages", f"must include 'waiting' (got {list(stages)})", list(stages)
+                "batch.stages", f"must include 'waiting' (got {_stages_repr(stages)})", list(stages)
             )
         has_running = "running" in stages
         has_split = "decodes" in stages or "prefills" in stages
         if has_running and has_split:
             raise self.err(
                 "batch.stages",
-                f"'running' already covers 'decodes' and 'prefills' (got {list(stages)})",
+                f"'running' already covers 'decodes' and 'prefills' (got {_stages_repr(stages)})",
                 list(stages),
             )
         if has_split and not ("decodes" in stages and "prefills" in stages):
             raise self.err(
                 "batch.stages",
-                f"'decodes' and 'prefills' go together (got {list(stages)})",
+                f"'decodes' and 'prefills' go together (got {_stages_repr(stages)})",
                 list(stages),
             )
         if has_split and stages.index("prefills") != stages.index("decodes") + 1:
             raise self.err(
                 "batch.stages",
-                f"'prefills' must directly follow 'decodes' (got {list(stages)})",
+                f"'prefills' must directly follow 'decodes' (got {_stages_repr(stages)})",
                 list(stages),
             )
         if not has_running and not has_split:
             raise self.err(
-                "batch.stages", f"must schedule running requests (got {list(stages)})", list(stages)
+                "batch.stages",
+                f"must schedule running requests (got {_stages_repr(stages)})",
+                list(stages),
             )
-        token_budget = self.int_("budget", "tokens", b.tokens, 1)
-        max_seqs = self.int_("budget", "seqs", b.seqs, 1)
-        mml = self.int_("budget", "max_model_len", b.max_model_len, 0)
+        token_budget = self.int_("budget", "tokens", b.tokens, 1, MAX_TOKEN_BUDGET)
+        max_seqs = self.int_("budget", "seqs", b.seqs, 1, MAX_SEQS)
+        mml = self.int_("budget", "max_model_len", b.max_model_len, 0, MAX_MODEL_LEN)
         if max_seqs > token_budget:
             # Decodes take one token each; every engine modelled here requires this.
             _, slabel = self.get("budget", "seqs", b.seqs)
@@ -406,7 +478,7 @@ class _Binder:
             raise self.err(slabel, f"must be <= {tlabel} {token_budget} (got {max_seqs})", max_seqs)
         count = self.choice("budget", "count", b.count, BUDGET_COUNTS)
         chunked = self.bool_("prefill", "chunked", pf.chunked)
-        chunk_cap = self.int_("prefill", "chunk_cap", pf.chunk_cap, 0)
+        chunk_cap = self.int_("prefill", "chunk_cap", pf.chunk_cap, 0, MAX_REQUEST_TOKENS)
         allocate = self.choice("kv", "allocate", kv.allocate, ALLOCATE)
         if allocate == "max-length" and mml == 0:
             _, label = self.get("budget", "max_model_len", b.max_model_len)
@@ -426,8 +498,9 @@ class _Binder:
         if exclusive and async_sched:
             _, alabel = self.get("batch", "async_scheduling", ba.async_scheduling)
             raise self.err(alabel, "must be false when batch.exclusive is true (got true)", True)
-        num_blocks = self.int_("kv", "num_blocks", kv.num_blocks, 0)
-        reserved = self.int_("kv", "reserved_blocks", kv.reserved_blocks, 0)
+        block_size = self.int_("kv", "block_size", kv.block_size, 1, MAX_BLOCK_SIZE)
+        num_blocks = self.int_("kv", "num_blocks", kv.num_blocks, 0, MAX_NUM_BLOCKS)
+        reserved = self.int_("kv", "reserved_blocks", kv.reserved_blocks, 0, MAX_NUM_BLOCKS)
         if num_blocks and reserved >= num_blocks:
             _, rlabel = self.get("kv", "reserved_blocks", kv.reserved_blocks)
             raise self.err(rlabel, f"must be < num_blocks {num_blocks} (got {reserved})", reserved)
@@ -452,7 +525,7 @@ class _Binder:
             reserve_full_sequence=self.bool_(
                 "admission", "reserve_full_sequence", ad.reserve_full_sequence
             ),
-            block_size=self.int_("kv", "block_size", kv.block_size, 1),
+            block_size=block_size,
             num_blocks=num_blocks,
             reserved_blocks=reserved,
             allocate=allocate,
@@ -487,17 +560,19 @@ def _coerce(name: str, key: str, raw: object, default: ParamValue) -> ParamValue
                 return int(text)
             return float(text)
         except ValueError:
-            raise SpecError(name, key, f"must be {_type_word(want)} (got {raw!r})", raw) from None
+            raise SpecError(
+                name, key, f"must be {_type_word(want)} (got {short_repr(raw)})", raw
+            ) from None
     if want is bool:
         if type(raw) is not bool:
-            raise SpecError(name, key, f"must be true or false (got {raw!r})", raw)
+            raise SpecError(name, key, f"must be true or false (got {short_repr(raw)})", raw)
         return raw
     if want is int:
         if type(raw) is not int:
-            raise SpecError(name, key, f"must be an integer (got {raw!r})", raw)
+            raise SpecError(name, key, f"must be an integer (got {short_repr(raw)})", raw)
         return raw
     if type(raw) not in (int, float):
-        raise SpecError(name, key, f"must be a number (got {raw!r})", raw)
+        raise SpecError(name, key, f"must be a number (got {short_repr(raw)})", raw)
     return float(raw)  # type: ignore[arg-type]
 
 
@@ -507,14 +582,15 @@ def _type_word(t: type) -> str:
 
 def _strict_block(name: str, section: str, raw: object, cls: type) -> Any:
     if not isinstance(raw, Mapping):
-        raise SpecError(name, section, f"must be a table (got {raw!r})", raw)
+        raise SpecError(name, section, f"must be a table (got {short_repr(raw)})", raw)
     fields = {f.name for f in attrs.fields(cls)}
     for key in raw:
         if key not in fields:
+            hint = _did_you_mean(key, fields) if isinstance(key, str) else ""
             raise SpecError(
                 name,
-                f"{section}.{key}",
-                f"is not a known field (known: {', '.join(sorted(fields))})",
+                f"{section}.{key if isinstance(key, str) else short_repr(key)}",
+                f"is not a known field{hint} (known: {', '.join(sorted(fields))})",
                 raw[key],
             )
     kwargs: dict[str, Any] = {}
@@ -527,12 +603,18 @@ def _strict_block(name: str, section: str, raw: object, cls: type) -> Any:
         if f.name == "stages":
             if not isinstance(v, list | tuple) or not all(isinstance(x, str) for x in v):
                 raise SpecError(
-                    name, f"{section}.stages", f"must be a list of stage names (got {v!r})", v
+                    name,
+                    f"{section}.stages",
+                    f"must be a list of stage names (got {short_repr(v)})",
+                    v,
                 )
             v = tuple(v)
         elif isinstance(v, Mapping | list):
             raise SpecError(
-                name, f"{section}.{f.name}", f"must be a scalar or '$param' (got {v!r})", v
+                name,
+                f"{section}.{f.name}",
+                f"must be a scalar or '$param' (got {short_repr(v)})",
+                v,
             )
         kwargs[f.name] = v
     return cls(**kwargs)
@@ -554,31 +636,44 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "") -> SchedulerSpec
     Raises:
         SpecError: Unknown keys, missing blocks, bad values.
     """
+    if not isinstance(doc, Mapping):
+        raise SpecError("?", "", f"must be a table (got {short_repr(doc)})", doc)
     name = doc.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise SpecError(str(name), "name", f"must be a non-empty string (got {name!r})", name)
+        shown = name if isinstance(name, str) else short_repr(name)
+        raise SpecError(shown, "name", f"must be a non-empty string (got {short_repr(name)})", name)
     schema = doc.get("schema", SPEC_SCHEMA)
-    if schema != SPEC_SCHEMA:
-        raise SpecError(name, "schema", f"must be {SPEC_SCHEMA!r} (got {schema!r})", schema)
+    if type(schema) is not str or schema != SPEC_SCHEMA:
+        raise SpecError(
+            name, "schema", f"must be {SPEC_SCHEMA!r} (got {short_repr(schema)})", schema
+        )
     for key in doc:
         if key not in _TOP_KEYS:
+            shown = key if isinstance(key, str) else short_repr(key)
+            hint = _did_you_mean(key, _TOP_KEYS) if isinstance(key, str) else ""
             raise SpecError(
                 name,
-                key,
-                f"is not a known section (known: {', '.join(sorted(_TOP_KEYS))})",
+                shown,
+                f"is not a known section{hint} (known: {', '.join(sorted(_TOP_KEYS))})",
                 doc[key],
             )
     desc = doc.get("description", "")
     if not isinstance(desc, str):
-        raise SpecError(name, "description", f"must be a string (got {desc!r})", desc)
+        raise SpecError(name, "description", f"must be a string (got {short_repr(desc)})", desc)
     params_raw = doc.get("params", {})
     if not isinstance(params_raw, Mapping):
-        raise SpecError(name, "params", f"must be a table (got {params_raw!r})", params_raw)
+        raise SpecError(
+            name, "params", f"must be a table (got {short_repr(params_raw)})", params_raw
+        )
     params: dict[str, ParamValue] = {}
     for key, v in params_raw.items():
-        if type(v) not in (int, float, bool):
+        shown = key if isinstance(key, str) else short_repr(key)
+        if not isinstance(key, str) or type(v) not in (int, float, bool):
             raise SpecError(
-                name, f"params.{key}", f"must be an integer, number or boolean (got {v!r})", v
+                name,
+                f"params.{shown}",
+                f"must be an integer, number or boolean (got {short_repr(v)})",
+                v,
             )
         params[key] = v
     blocks: dict[str, Any] = {}
@@ -604,8 +699,21 @@ def load_spec(path: str | Path) -> SchedulerSpec:
         OSError: The file cannot be read.
     """
     p = Path(path)
+    data = p.read_bytes()
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        # Editors on Windows write a BOM; it is no part of the document.
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            p.stem,
+            str(p),
+            f"is not UTF-8 text (byte {exc.start} is {data[exc.start : exc.start + 1]!r})",
+            None,
+        ) from None
+    try:
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(p.stem, str(p), f"is not valid TOML ({exc})", None) from None
+    except RecursionError:
+        raise SpecError(p.stem, str(p), "nests arrays or tables too deeply", None) from None
     return spec_from_dict(doc, source=str(p))
