@@ -219,10 +219,12 @@ def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Pre
     Raises:
         ConfigError: Two instances of one unknown model give different priors.
     """
+    # Stand-ins for a Predictor (the simulator's feed) have only ``models``.
+    trained = getattr(predictor, "trained_models", predictor.models)
+    given: dict[str, float | None] = dict(getattr(predictor, "priors", ()))
     priors: dict[str, float | None] = {}
-    given = dict(predictor.priors)
     for cfg in configs:
-        if cfg.model in predictor.trained_models:
+        if cfg.model in trained:
             continue
         if cfg.model in given and given[cfg.model] != cfg.accuracy_prior:
             raise ConfigError(
@@ -234,7 +236,15 @@ def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Pre
                 f"instance {cfg.name!r}: accuracy_prior {cfg.accuracy_prior!r} differs from "
                 f"another instance's for model {cfg.model!r} ({priors[cfg.model]!r})"
             )
-        priors[cfg.model] = cfg.accuracy_prior
+        if cfg.model not in given:
+            priors[cfg.model] = cfg.accuracy_prior
+    if not priors:
+        return predictor
+    if not hasattr(predictor, "with_priors"):
+        model = next(iter(priors))
+        raise ConfigError(
+            f"model {model!r} is not in the predictor's pool ({', '.join(predictor.models)})"
+        )
     for model, acc in priors.items():
         if model not in _WARNED:
             _WARNED.add(model)
@@ -246,7 +256,7 @@ def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Pre
                 "--pool MODELS.json --out DIR` and pass AsyncRouter(..., "
                 "predictor=Predictor.load(DIR)) (docs/predictors.md)",
                 model,
-                ", ".join(predictor.trained_models),
+                ", ".join(trained),
                 prior,
             )
     return predictor.with_priors(priors)
