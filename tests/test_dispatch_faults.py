@@ -202,8 +202,11 @@ def assert_off_the_books(router: AsyncRouter) -> None:
         assert not router._inst(name).stats._reqs, name
 
 
-async def read_all(stream: Any) -> list[dict[str, Any]]:
-    return [chunk async for chunk in stream]
+async def read_all(result: Any) -> list[dict[str, Any]]:
+    """A stream's chunks, read to the end (a whole answer: itself)."""
+    if isinstance(result, dict):
+        return [result]
+    return [chunk async for chunk in result]
 
 
 # ---------------------------------------------------------------- defect 7

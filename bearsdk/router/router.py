@@ -53,7 +53,7 @@ from bearsdk.estimators.lps import LPSEstimator
 from bearsdk.estimators.prefill import PrefillThroughputEstimator, nominal_theta_pre
 from bearsdk.estimators.stats import InstanceStats
 from bearsdk.predictors import PoolPrediction, Predictor
-from bearsdk.router.breaker import CircuitBreaker
+from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
 from bearsdk.router.targets import PaperTargets, TargetRule
@@ -1151,6 +1151,10 @@ class AsyncRouter:
     def inflight(self, name: str) -> int:
         """Requests sent to ``name`` whose response has not ended (all finished: 0)."""
         return self._inst(name).inflight
+
+    def breaker_state(self, name: str) -> BreakerState:
+        """The state of ``name``'s circuit breaker now (closed, open or half-open)."""
+        return self._inst(name).breaker.state(self.clock())
 
     def overhead(self, name: str) -> float:
         """The learned dispatch overhead added to ``name``'s replayed TTFTs (seconds)."""
