@@ -1,12 +1,12 @@
 """Synthetic routing workloads: the paper's four tasks, arrivals, TTFT targets, true accuracies.
 
 Used by ``bearsdk demo``, the examples and the simulator. Nothing here reads
-``../shared/data`` at run time: the task length distributions are log-normal
-summaries of the shared traces (derivation below) and the accuracies follow the
+the public data sets at run time: the task length distributions are log-normal
+summaries of their traces (derivation below) and the accuracies follow the
 paper's Table 2.
 
 ==============  ===================================  ===============  ===============
-task            trace rows (shared/data)             log prompt       log output
+task            trace rows (public data sets)        log prompt       log output
 ==============  ===================================  ===============  ===============
 alpaca          ShareGPT, prefill <= 512             4.506 +- 1.199   5.626 +- 1.125
 govreport       arXiv summarization, prefill >= 1024 7.877 +- 0.314   5.084 +- 0.599
@@ -26,7 +26,8 @@ not drawn here: the engine that serves it decides (the emulator's own model).
 Markov-modulated Poisson process with mean rate ``rate``, rate ratio ``r``,
 20% of the time in the high state and transition rates 0.1/s and 0.4/s; or a
 real trace's timestamps (:func:`read_trace`: the Azure 2023 traces, read in
-place from ``../shared/data``), time-scaled to a mean rate.
+place from the data folder :func:`bearsdk.data.data_dir` finds), time-scaled to
+a mean rate.
 **TTFT targets**: the paper's appendix A.2 rule.
 
 Workloads compose: a set of distinct prompts (:func:`task_prompts`, the four
@@ -373,7 +374,7 @@ TRACES: Final = {
     "azure-conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
     "azure-code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
 }
-"""Shared traces with timestamps and token counts, by name (paths under ``shared/data``)."""
+"""Public traces with timestamps and token counts, by name (paths under the data folder)."""
 
 
 @attrs.frozen(eq=False)
@@ -441,20 +442,19 @@ def read_trace(name: str, data_dir: str | Path | None = None) -> Trace:
     Args:
         name: One of :data:`TRACES` (resolved under ``data_dir``), or the path of
             a CSV with the Azure columns ``TIMESTAMP,ContextTokens,GeneratedTokens``.
-        data_dir: The shared data folder (default: found as the estimators find it).
+        data_dir: The data folder (``--data-dir``; default: ``$BEARSDK_DATA`` and
+            the other places :func:`bearsdk.data.data_dir` looks).
 
     Raises:
-        FileNotFoundError: The file (or the shared data) is not on this machine.
+        DataNotFoundError: A named trace's data set is not on this machine (the
+            message names its public source).
+        FileNotFoundError: The file is not on this machine.
         ValueError: The CSV lacks a column or has a bad row.
     """
     if name in TRACES:
-        if data_dir is None:
-            from bearsdk.estimators.dense import shared_data_dir
+        from bearsdk.data import data_dir as find
 
-            data_dir = shared_data_dir()
-            if data_dir is None:
-                raise FileNotFoundError(f"trace {name!r}: the shared data folder was not found")
-        path = Path(data_dir) / TRACES[name]
+        path = find(data_dir, "azure-llm-2023") / TRACES[name]
     else:
         path = Path(name)
     if not path.is_file():
@@ -494,24 +494,24 @@ def alpaca_prompts(
     left out. The data are CC BY-NC 4.0: read in place, for evaluation only.
 
     Args:
-        alpaca_dir: The AlpacaEval folder (default: ``alpaca_eval`` in the shared data).
+        alpaca_dir: The AlpacaEval folder (default: ``alpaca_eval`` in the data
+            folder :func:`bearsdk.data.data_dir` finds).
         models: Models (table columns; default: the FuseChat-3.0 pool).
         prompt_ids: Prompts to keep (default: all).
 
     Raises:
-        FileNotFoundError: The data are not on this machine.
+        DataNotFoundError: The data are not on this machine (the message names
+            their public source).
+        FileNotFoundError: ``alpaca_dir`` has no ``prompts.csv``.
         PredictorError: A table is malformed or lacks a model.
     """
     from bearsdk.predictors.dataset import ALPACA_CHARS_PER_TOKEN, read_alpaca_eval
     from bearsdk.predictors.pool import FUSECHAT3_POOL, ModelSpec
 
     if alpaca_dir is None:
-        from bearsdk.estimators.dense import shared_data_dir
+        from bearsdk.data import data_dir
 
-        root = shared_data_dir()
-        if root is None:
-            raise FileNotFoundError("AlpacaEval: the shared data folder was not found")
-        alpaca_dir = root / "alpaca_eval"
+        alpaca_dir = data_dir(None, "alpaca-eval") / "alpaca_eval"
     if not (Path(alpaca_dir) / "prompts.csv").is_file():
         raise FileNotFoundError(f"AlpacaEval: {alpaca_dir} has no prompts.csv")
     names = list(models) if models is not None else [m.name for m in FUSECHAT3_POOL]

@@ -10,16 +10,48 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 from bearsdk import EnginePool, GroundTruthParams, InstanceConfig, load_pool_config
+from bearsdk.errors import BearError
 
 PROFILES = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100")
 
 
+def fail(message: str) -> NoReturn:
+    """Print ``message`` as the example's one-line error and exit with status 2."""
+    prog = os.path.basename(sys.argv[0])
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_pool(path: str) -> list[InstanceConfig]:
+    """Read and check a pool file, or :func:`fail` naming the file, the field and the value.
+
+    Everything a router would refuse at start (unknown keys, bad values, an
+    unknown profile or scheduler parameter) is refused here, before any engine
+    is contacted, so that a typo is one line rather than a traceback.
+    """
+    try:
+        pool = load_pool_config(path)
+        for inst in pool:
+            inst.batch_time_model()
+    except (BearError, OSError, UnicodeDecodeError) as exc:
+        fail(f"pool file {path}: {exc}")
+    return pool
+
+
 def add_pool_args(parser: argparse.ArgumentParser) -> None:
     """``--pool FILE`` (real engines) and ``--slowdown X`` (emulated ones)."""
-    parser.add_argument("--pool", help="TOML pool file of real vLLM servers (default: emulated)")
+    parser.add_argument(
+        "--pool",
+        type=read_pool,
+        metavar="FILE",
+        help="TOML pool file of real vLLM servers (default: emulated)",
+    )
     parser.add_argument(
         "--slowdown",
         type=float,
@@ -32,7 +64,7 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
 async def pool_for(args: argparse.Namespace) -> AsyncIterator[list[InstanceConfig]]:
     """The instances to route over, for as long as the block runs."""
     if args.pool:
-        yield load_pool_config(args.pool)
+        yield list(args.pool)  # read and checked by read_pool when the arguments were parsed
         return
     slow = GroundTruthParams(time_scale=args.slowdown)
     async with EnginePool.of(*PROFILES, time_model=slow) as pool:

@@ -3,9 +3,11 @@
     python examples/batch_eval.py                                  # azure-conv, 2 policies
     python examples/batch_eval.py --rate 12 --requests 200 --policies bear,shortest-queue
     python examples/batch_eval.py --pool pool.toml --trace my.csv  # real vLLM servers
+    python examples/batch_eval.py --data-dir ~/data                # where azure_llm_2023/ is
 
-The trace (``azure-conv`` or ``azure-code`` from the shared data, or any CSV
-with the Azure columns ``TIMESTAMP,ContextTokens,GeneratedTokens``) gives each
+The trace (``azure-conv`` or ``azure-code``: the public Azure LLM inference
+trace 2023, read from ``--data-dir`` or ``$BEARSDK_DATA``, see ``docs/data.md``;
+or any CSV with the Azure columns ``TIMESTAMP,ContextTokens,GeneratedTokens``) gives each
 request's arrival time and prompt length; ``--rate`` rescales the arrivals.
 Prompts are the paper's four tasks (their text stands for the request's last
 turn), with true accuracies per model; targets follow appendix A.2. Every
@@ -22,7 +24,7 @@ import sys
 
 import anyio
 import attrs
-from _pool import add_pool_args, pool_for
+from _pool import add_pool_args, fail, pool_for
 
 from bearsdk import (
     AsyncRouter,
@@ -31,6 +33,7 @@ from bearsdk import (
     make_selector,
     summarize,
 )
+from bearsdk.errors import BearError
 from bearsdk.workload import WorkItem, read_trace, requests_at, task_prompts
 
 _CONTEXT = [
@@ -96,7 +99,7 @@ async def run_policy(args: argparse.Namespace, policy: str, items: list[WorkItem
 
 
 async def main(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace).window(args.requests, args.start)
+    trace = read_trace(args.trace, args.data_dir).window(args.requests, args.start)
     times = trace.arrivals(args.rate)
     prompts = task_prompts(200, seed=args.seed)
     items = [
@@ -130,6 +133,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pool_args(parser)
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code or a CSV")
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="folder holding azure_llm_2023/ (default: $BEARSDK_DATA; see docs/data.md)",
+    )
     parser.add_argument("--requests", type=int, default=120, help="requests to replay")
     parser.add_argument("--start", type=int, default=0, help="first trace row")
     parser.add_argument("--rate", type=float, default=10.0, help="rescale arrivals to this rate")
@@ -137,7 +145,11 @@ if __name__ == "__main__":
     parser.add_argument("--lam", type=float, default=5e-4, help="cost weight of the utility")
     parser.add_argument("--tail", type=float, default=1.3, help="wait after the last arrival (s)")
     parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
     try:
-        sys.exit(anyio.run(main, parser.parse_args()))
-    except FileNotFoundError as exc:
-        sys.exit(f"batch_eval: {exc}")
+        sys.exit(anyio.run(main, args))
+    except (BearError, OSError, ValueError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        print("batch_eval.py: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -45,3 +45,39 @@ def test_batch_eval_replays_a_trace() -> None:
     out = run("batch_eval.py", "--requests", "20", "--policies", "bear,round-robin")
     assert "trace azure-conv: 20 requests" in out
     assert out.count("OnTimeUtility") >= 3  # one progress line per policy, and the header
+
+
+@pytest.mark.parametrize("script", ["agent.py", "batch_eval.py", "chat_service.py"])
+@pytest.mark.parametrize(
+    ("line", "names"),
+    [
+        ('profle = "qwen3-8b-h100"', ("profle is not a known field; did you mean 'profile'?",)),
+        ('url = "ftp://10.0.0.5:8000"', ("url must start with http", "'ftp://10.0.0.5:8000'")),
+        ('profile = "qwen3-8b-h10"', ("profile", "'qwen3-8b-h10'")),
+        ("scheduler_params = { max_num_seqs = -1 }", ("max_num_seqs", "-1")),
+    ],
+)
+def test_a_typo_in_a_pool_file_is_one_line(
+    tmp_path: Path, script: str, line: str, names: tuple[str, ...]
+) -> None:
+    pool = tmp_path / "pool.toml"
+    fields = {"name": '"a"', "url": '"http://127.0.0.1:9"', "model": '"Qwen/Qwen3-8B"'}
+    key = line.split(" =")[0]
+    fields.pop(key, None)
+    body = "".join(f"{k} = {v}\n" for k, v in fields.items())
+    if key != "profile" and key != "profle":
+        body += 'profile = "qwen3-8b-h100"\n'
+    pool.write_text(f"[[instances]]\n{body}{line}\n", encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--pool", str(pool)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{script}: error: pool file {pool}: instance 'a': ")
+    for name in names:
+        assert name in lines[0]

@@ -42,12 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         nargs="?",
         const="",
         help="dense-cost MAPE table from Vidur's mlp_linear_ops_median_ms.csv "
-        "(default: the shared data)",
+        "(default: the one under --data-dir)",
     )
     mode.add_argument(
-        "--derive-profiles", metavar="OUT.toml", help="write profiles derived from the shared data"
+        "--derive-profiles", metavar="OUT.toml", help="write profiles derived from Vidur profiling"
     )
     mode.add_argument("--list-profiles", action="store_true", help="list the shipped profiles")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="folder holding vidur_profiling/ (default: $BEARSDK_DATA; see docs/data.md)",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="with --batches: plot predicted vs observed")
     p.add_argument(
         "--dense-floor",
@@ -167,22 +172,16 @@ def _plot(path: str, observed: Any, predicted: Any, mape: float) -> None:
         plt.close(fig)
 
 
-def _data_dir() -> Path:
-    from bearsdk.estimators.dense import shared_data_dir
+def _data_dir(args: argparse.Namespace) -> Path:
+    from bearsdk.data import data_dir
 
-    d = shared_data_dir()
-    if d is None:
-        raise BearError(
-            "shared data not found: set BEARSDK_SHARED_DATA to the directory "
-            "holding vidur_profiling/"
-        )
-    return d
+    return data_dir(args.data_dir, "vidur-profiling")
 
 
 def _vidur_dense(args: argparse.Namespace) -> int:
     from bearsdk.estimators.dense import MLP_CSV, dense_mape_table
 
-    path = Path(args.vidur_dense) if args.vidur_dense else _data_dir() / MLP_CSV
+    path = Path(args.vidur_dense) if args.vidur_dense else _data_dir(args) / MLP_CSV
     if not path.is_file():
         raise BearError(f"no such file: {path}")
     try:
@@ -233,7 +232,7 @@ def _derive(args: argparse.Namespace) -> int:
     from bearsdk.estimators.dense import MLP_CSV, dense_curves
     from bearsdk.estimators.profiles import PROFILE_SPECS, derive_profile, render_profiles_toml
 
-    d = _data_dir()
+    d = _data_dir(args)
     curves = dense_curves(d / MLP_CSV)
     profiles = [derive_profile(s, d, curves=curves) for s in PROFILE_SPECS]
     text = render_profiles_toml(profiles)

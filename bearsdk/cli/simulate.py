@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import attrs
 import orjson
@@ -60,6 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="override router.resident_lengths (how BEA sizes residents' outputs)",
     )
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="folder holding the public data sets (overrides workload.data_dir; "
+        "default: $BEARSDK_DATA, see docs/data.md)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -101,6 +108,10 @@ def _run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, router_staleness=st)
     if args.resident_lengths is not None:
         cfg = attrs.evolve(cfg, resident_lengths=args.resident_lengths)
+    if args.data_dir:
+        cfg = attrs.evolve(
+            cfg, workload=attrs.evolve(cfg.workload, data_dir=str(Path(args.data_dir).resolve()))
+        )
     if args.workers is not None and args.workers < 1:
         raise SimConfigError(f"--workers must be >= 1 (got {args.workers})")
     if args.plots:

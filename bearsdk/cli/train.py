@@ -3,14 +3,15 @@
 Examples::
 
     bearsdk train --data evals.jsonl --pool qwen3 --out models/
-    bearsdk train --data ../shared/data/alpaca_eval --out models/fusechat/
-    bearsdk train --synthetic --traces ../shared/data --out bearsdk/predictors/data/default.bearpred
+    bearsdk train --data DATA/alpaca_eval --out models/fusechat/
+    bearsdk train --synthetic --data-dir DATA --out bearsdk/predictors/data/default.bearpred
 
 ``--data`` is a JSON-lines file of evaluations (see
 :mod:`bearsdk.predictors.dataset`) or an AlpacaEval folder (``prompts.csv`` and
 the wide tables; CC BY-NC, so a predictor trained on it is for evaluation and
 non-commercial use only). ``--synthetic`` regenerates the shipped default
-predictor from the shared traces, deterministically.
+predictor from the public traces (``DATA``: ``--data-dir`` or ``$BEARSDK_DATA``,
+see ``docs/data.md``), deterministically.
 """
 
 from __future__ import annotations
@@ -57,7 +58,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="built-in pool (qwen3, fusechat3, fusechat-llama), a JSON file of models, or "
         "'all' for every AlpacaEval model (default: fusechat3 for AlpacaEval, else qwen3)",
     )
-    p.add_argument("--traces", default="../shared/data", help="shared data folder (--synthetic)")
+    p.add_argument(
+        "--traces",
+        "--data-dir",
+        dest="traces",
+        default=None,
+        metavar="DIR",
+        help="folder holding vidur_traces/ and azure_llm_2023/ (--synthetic; "
+        "default: $BEARSDK_DATA, see docs/data.md)",
+    )
     p.add_argument("--prompts-per-task", type=int, default=600, help="synthetic prompts per task")
     p.add_argument("--n-estimators", type=int, default=None, help="boosting rounds per head")
     p.add_argument("--learning-rate", type=float, default=None)
@@ -86,9 +95,10 @@ def _load(args: argparse.Namespace) -> tuple[object, str]:
     if args.synthetic:
         if args.pool not in (None, "qwen3"):
             raise PredictorError("--pool", "must be qwen3 with --synthetic", args.pool)
-        return synthetic_training_set(
-            args.traces, prompts_per_task=args.prompts_per_task
-        ), "synthetic"
+        from bearsdk.data import data_dir
+
+        root = data_dir(data_dir(args.traces, "vidur-traces"), "azure-llm-2023")
+        return synthetic_training_set(root, prompts_per_task=args.prompts_per_task), "synthetic"
     data = Path(args.data)
     if data.is_dir():
         if not (data / "prompts.csv").is_file():

@@ -16,7 +16,6 @@ read in place (see :func:`shared_data_dir`), never copied into the repository.
 from __future__ import annotations
 
 import csv
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Final
@@ -68,21 +67,15 @@ NETWORK_CSV: Final = "vidur_profiling/network_collectives_median_ms.csv"
 
 
 def shared_data_dir() -> Path | None:
-    """Where the shared real data live, or ``None`` when they are not on this machine.
+    """Where the public data live, or ``None`` when they are not on this machine.
 
-    ``$BEARSDK_SHARED_DATA`` if set, else ``$BEARSDK_SHARED/data``, else
-    ``shared/data`` next to the repository checkout (``<repo>/../shared/data``).
+    The folder :func:`bearsdk.data.find_data_dir` names: ``$BEARSDK_DATA``,
+    ``$BEARSDK_SHARED_DATA``, ``$BEARSDK_SHARED/data``, else ``shared/data``
+    next to the repository checkout.
     """
-    env = os.environ.get("BEARSDK_SHARED_DATA")
-    if env:
-        p = Path(env)
-        return p if p.is_dir() else None
-    env = os.environ.get("BEARSDK_SHARED")
-    if env:
-        p = Path(env) / "data"
-        return p if p.is_dir() else None
-    p = Path(__file__).resolve().parents[3] / "shared" / "data"
-    return p if p.is_dir() else None
+    from bearsdk.data import find_data_dir
+
+    return find_data_dir()
 
 
 @attrs.frozen(eq=False)

@@ -65,7 +65,7 @@ TRACE_FILES: Final = {
     "arxiv": "vidur_traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
 }
-"""Trace files (relative to the shared data folder) the lengths come from."""
+"""Trace files (relative to the data folder, ``docs/data.md``) the lengths come from."""
 
 _CHARS_PER_TOKEN: Final = 4.0
 _MAX_PROMPT_TOKENS: Final = 8192
@@ -214,7 +214,7 @@ def synthetic_training_set(
     """Generate the default predictor's training data (see the module docstring).
 
     Args:
-        traces_dir: The shared data folder holding :data:`TRACE_FILES`.
+        traces_dir: The data folder holding :data:`TRACE_FILES` (``docs/data.md``).
         prompts_per_task: Prompts generated per task.
         seed: Seed of every random choice.
 

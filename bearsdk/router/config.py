@@ -26,6 +26,7 @@ and a WARNING is logged once per model saying how to train a predictor for it.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import tomllib
@@ -176,8 +177,10 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
     label = f"instance {name!r}"
     for key in d:
         if key not in _FIELDS:
+            close = difflib.get_close_matches(str(key), sorted(_FIELDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"{label}: {key} is not a known field (known: {', '.join(sorted(_FIELDS))})"
+                f"{label}: {key} is not a known field{hint} (known: {', '.join(sorted(_FIELDS))})"
             )
     for key in ("url", "model"):
         if key not in d:
@@ -201,9 +204,13 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
     except TypeError as exc:
         raise ConfigError(f"{label}: {exc}") from None
     # Fail at load time, not at the first request: bind the scheduler policy now.
+    from bearsdk.errors import SpecError
     from bearsdk.schedulers import policy
 
-    policy(inst.scheduler, inst.params)
+    try:
+        policy(inst.scheduler, inst.params)
+    except SpecError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
     return inst
 
 
@@ -266,8 +273,8 @@ def load_pool_config(source: str | Path | Mapping[str, Any]) -> list[InstanceCon
     """Read a pool from a TOML file (or its parsed dict): ``[[instances]]`` tables.
 
     Raises:
-        ConfigError: Invalid TOML, unknown keys, bad values, duplicate names.
-        SpecError: A scheduler or its parameters are invalid.
+        ConfigError: Invalid TOML, unknown keys, bad values (a scheduler or its
+            parameters included), duplicate names.
     """
     if isinstance(source, Mapping):
         doc: Mapping[str, Any] = source

@@ -32,7 +32,7 @@
     trace = "azure-conv"            # azure-conv | azure-code | a CSV path
     trace_start = 0                 # first trace row used
     targets = "paper"               # appendix A.2 rule, or a fixed number of seconds
-    data_dir = ""                   # shared data folder (default: found automatically)
+    data_dir = ""                   # data folder (default: $BEARSDK_DATA, see docs/data.md)
 
     [policies]                      # built-in selectors, their parameters; lists make variants
     bear = {}

@@ -118,14 +118,19 @@ class SimReport:
 # -- inputs ---------------------------------------------------------------------------
 
 
-def _data_dir(cfg: SimConfig) -> Path | None:
-    d = cfg.workload.data_dir
-    if d:
-        p = Path(d)
-        return p if p.is_absolute() else cfg.base_dir() / p
-    from bearsdk.estimators.dense import shared_data_dir
+def _data_dir(cfg: SimConfig, dataset: str) -> Path:
+    """The folder holding ``dataset``: ``workload.data_dir``, else as :mod:`bearsdk.data` finds it.
 
-    return shared_data_dir()
+    Raises:
+        DataNotFoundError: Not there (the message names the data set's public source).
+    """
+    from bearsdk.data import data_dir
+
+    d = cfg.workload.data_dir
+    p = Path(d) if d else None
+    if p is not None and not p.is_absolute():
+        p = cfg.base_dir() / p
+    return data_dir(p, dataset)
 
 
 def _alpaca_split(n: int = 805) -> tuple[list[int], list[int]]:
@@ -148,9 +153,7 @@ def load_predictor(cfg: SimConfig) -> Predictor:
         from bearsdk.predictors.pool import POOLS, ModelSpec
         from bearsdk.predictors.training import TrainConfig, train_predictor
 
-        data = _data_dir(cfg)
-        if data is None:
-            raise FileNotFoundError("router.predictor = 'alpaca-eval' needs the shared data")
+        data = _data_dir(cfg, "alpaca-eval")
         known = {m.name: m for pool in POOLS.values() for m in pool}
         models: list[str] = []
         for s in cfg.pool:
@@ -175,13 +178,11 @@ def prepare_inputs(cfg: SimConfig, seed: int, predictor: Predictor) -> Inputs:
     t0 = time.perf_counter()
     w = cfg.workload
     n = cfg.requests
-    data = _data_dir(cfg)
     if w.prompts == "tasks":
         mix = dict(w.mix) or None
         bank = task_prompts(min(w.unique_prompts, n), mix=mix, seed=seed)
     else:
-        if data is None:
-            raise FileNotFoundError("workload.prompts = 'alpaca-eval' needs the shared data")
+        data = _data_dir(cfg, "alpaca-eval")
         models = list(dict.fromkeys(s.model for s in cfg.pool))
         ids = _alpaca_split()[1] if cfg.predictor == "alpaca-eval" else None
         bank = alpaca_prompts(data / "alpaca_eval", models, prompt_ids=ids)
@@ -193,7 +194,10 @@ def prepare_inputs(cfg: SimConfig, seed: int, predictor: Predictor) -> Inputs:
     )
     trace = None
     if uses_trace:
-        trace = read_trace(w.trace, data).window(n, w.trace_start)
+        from bearsdk.workload import TRACES
+
+        where = _data_dir(cfg, "azure-llm-2023") if w.trace in TRACES else None
+        trace = read_trace(w.trace, where).window(n, w.trace_start)
     rule: TargetRule = (
         PaperTargets(seed=seed + 3) if w.targets == "paper" else FixedTarget(float(w.targets))
     )
