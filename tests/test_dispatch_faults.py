@@ -34,9 +34,10 @@ MODEL = "Qwen/Qwen3-8B"
 # (connection dropped), ``hang``. After it: ``garbage`` (not JSON), ``not-object``
 # (JSON, not an object), ``reset-after-head``, ``hang-after-head``. Streams only
 # differ mid-stream: ``mid-reset``, ``mid-hang`` (after two good events), and
-# ``no-blank`` (one endless ``data:`` line).
+# ``no-blank`` (one endless ``data:`` line). ``slow``: a healthy stream, slowly.
 MODES = (
     "ok",
+    "slow",
     "status500",
     "reset",
     "hang",
@@ -82,6 +83,7 @@ class FakeEngine:
         self.on_request: Callable[[], None] | None = None
         self.url = ""
         self.no_blank_bytes = 4 << 20
+        self.slow_s = 0.2  # between the events of a ``slow`` (but healthy) stream
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -102,8 +104,10 @@ class FakeEngine:
             return await self._whole(request, mode)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if mode == "ok":
+        if mode in ("ok", "slow"):
             for event in GOOD_EVENTS:
+                if mode == "slow":
+                    await anyio.sleep(self.slow_s)
                 await resp.write(event)
             await resp.write(b"data: [DONE]\n\n")
         elif mode == "garbage":
