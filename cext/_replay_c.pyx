@@ -23,12 +23,17 @@
 # turns bounds checks back on).
 
 from libc.stdint cimport int8_t, int32_t, int64_t
-from libc.stdlib cimport free, malloc, qsort, realloc
+from libc.stdlib cimport free, qsort
 from libc.string cimport memcpy, memset
+
+from _mem cimport mem_alloc, mem_reserve, mem_resize
 
 import numpy as np
 
-from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+from bearsdk.replay.types import (
+    MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult, StopReason, check_policy, check_table,
+    check_tokens,
+)
 from bearsdk.snapshot import (
     COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
     COL_PROMPT, COL_STATE, NCOLS, STATE_RUNNING,
@@ -91,10 +96,14 @@ cdef enum:
     R_FIRST_TOKEN = 0
     R_NEVER = 1
     R_LIMIT = 2
-    R_NOMEM = -1
 
-DEF BIG = 1 << 60
-DEF NEVER_SCHEDULED = -(1 << 40)
+# "No limit" for a request's output count, and a step no batch ever had.
+cdef int64_t BIG = (<int64_t>1) << 60
+cdef int64_t NEVER_SCHEDULED = -((<int64_t>1) << 40)
+# Token counts are refused beyond bearsdk.replay.types.MAX_TOKENS at the Python
+# boundary (check_table, check_tokens): sums of a few of them stay far from
+# int64 overflow, so the loop's arithmetic never wraps.
+MIN_ANY = -_MAX_TOKENS_PY
 
 ctypedef struct Params:
     int64_t token_budget
@@ -137,7 +146,7 @@ ctypedef struct Req:
     int64_t lazy_since    # lazy: first vt served lazily
     int64_t last_sched    # step index of the last batch that scheduled it
     int64_t in_batch      # step index of the batch being formed, once scheduled in it
-    int32_t ph            # async placeholders (explicit requests)
+    int64_t ph            # async placeholders (explicit requests)
     int32_t ro_pos        # index in run_order
     int32_t gen           # bumped whenever queued events become stale
     int8_t status
@@ -163,7 +172,7 @@ ctypedef struct Batch:
     int32_t* rel         # explicit releases at processing
     int64_t n_rel
     int32_t* stale       # preempted requests whose batch this is
-    int8_t* stale_tok    # ... and whether it carries a token for them
+    int64_t* stale_tok   # ... and how many of their tokens it carries
     int64_t n_stale
     Ev* samp             # explicit requests with a token in this batch (async);
     int64_t n_samp       #   an entry is void once its request's gen moves on
@@ -279,16 +288,10 @@ cdef inline bint ev_less(Ev* a, Ev* b) noexcept nogil:
     return a.key < b.key or (a.key == b.key and a.slot < b.slot)
 
 
-cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) noexcept nogil:
-    cdef Ev* nh
+cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
     cdef int64_t i, p
     cdef Ev e
-    if q.n_heap == q.cap_heap:
-        nh = <Ev*>realloc(q.heap, sizeof(Ev) * (q.cap_heap * 2 + 16))
-        if nh == NULL:
-            return -1
-        q.heap = nh
-        q.cap_heap = q.cap_heap * 2 + 16
+    mem_reserve(<void**>&q.heap, &q.cap_heap, q.n_heap + 1, 16, sizeof(Ev))
     e.key = key
     e.slot = slot
     e.gen = gen
@@ -439,7 +442,10 @@ cdef void ex_insert_ordered(State* st, int32_t s) noexcept nogil:
 # Lazy decodes
 # ---------------------------------------------------------------------------
 
-cdef inline void samp_add(Batch* b, int32_t s, int32_t gen) noexcept nogil:
+cdef inline void samp_add(Batch* b, int32_t s, int32_t gen, int64_t tokens) noexcept nogil:
+    # key: tokens the batch carries for s (one, but the in-flight batch at a
+    # snapshot carries all of a request's placeholders)
+    b.samp[b.n_samp].key = tokens
     b.samp[b.n_samp].slot = s
     b.samp[b.n_samp].gen = gen
     b.n_samp += 1
@@ -452,7 +458,7 @@ cdef inline bint grows(Alloc* a) noexcept nogil:
         return True
 
 
-cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) noexcept nogil:
+cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) except -1 nogil:
     """Fold a decoding request (state at the next serving vt) into the aggregate.
 
     ``pending``: outputs delivered or in flight. Returns 1 when the request has
@@ -477,8 +483,8 @@ cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) noexce
     if grows(a):
         st.hist[pmod(q.base, st.P.bs)] += 1
         st.n_grow += 1
-    if heap_push(&st.leave, q.served_until, s, q.gen) or heap_push(&st.release, q.t_last, s, q.gen):
-        return -1
+    heap_push(&st.leave, q.served_until, s, q.gen)
+    heap_push(&st.release, q.t_last, s, q.gen)
     return 0
 
 
@@ -509,10 +515,10 @@ cdef void unlazy(State* st, Alloc* a, Pipe* p, int32_t s) noexcept nogil:
     q.gen += 1   # its queued leave/release events are void
     if Pipe is AsyncPipe:
         if q.ph and st.unlazy_batch != NULL:
-            samp_add(st.unlazy_batch, s, q.gen)
+            samp_add(st.unlazy_batch, s, q.gen, 1)
 
 
-cdef int pop_leaves(State* st, Alloc* a, Pipe* p) noexcept nogil:
+cdef int pop_leaves(State* st, Alloc* a, Pipe* p) except -1 nogil:
     """Lazies whose last scheduled vt has passed leave the aggregate (zombies)."""
     cdef Ev* e
     cdef int32_t s
@@ -524,8 +530,7 @@ cdef int pop_leaves(State* st, Alloc* a, Pipe* p) noexcept nogil:
         evq_drop(&st.leave, e)
         unlazy(st, a, p, s)
         # Still running, holding its seat and blocks, until its last output lands.
-        if heap_push(&st.release, R(st, s).t_last, s, R(st, s).gen):
-            return -1
+        heap_push(&st.release, R(st, s).t_last, s, R(st, s).gen)
 
 
 cdef inline int64_t lazy_demand(State* st, int64_t v) noexcept nogil:
@@ -551,7 +556,7 @@ cdef void release(State* st, Alloc* a, Pipe* p, int32_t s) noexcept nogil:
 
 
 cdef void process(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
-    cdef int64_t i
+    cdef int64_t i, got
     cdef int32_t s
     cdef Ev* e
     cdef Req* q
@@ -562,18 +567,26 @@ cdef void process(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
     if Pipe is AsyncPipe:
         # Tokens of requests that are explicit now land: placeholder -> output.
         for i in range(b.n_samp):
-            q = R(st, b.samp[i].slot)
+            s = b.samp[i].slot
+            q = R(st, s)
             if q.gen == b.samp[i].gen and q.status == S_RUNNING and not q.lazy and q.ph > 0:
-                q.ph -= 1
-                q.outputs += 1
+                got = imin(b.samp[i].key, q.ph)
+                q.ph -= got
+                q.outputs += got
+                if q.outputs >= q.target:
+                    # Only a snapshot's odd rows get here (engines release their
+                    # finishes through `rel`): finish as the twin does.
+                    if not q.prefilled:
+                        ex_remove(st, s)
+                    release(st, a, p, s)
     for i in range(b.n_stale):
         s = b.stale[i]
         q = R(st, s)
         if q.status != S_WAITING:
             continue
-        if b.stale_tok[i]:
+        if b.stale_tok[i] > 0:
             # Preempted while its token was in flight: it still receives it.
-            q.outputs += 1
+            q.outputs += b.stale_tok[i]
             if q.outputs >= q.target:
                 q.status = S_FINISHED
                 q.gen += 1
@@ -656,7 +669,7 @@ cdef inline bint fits(State* st, Count* c, Batch* b, int64_t n, int64_t longest)
 cdef void preempt(State* st, Alloc* a, Pipe* p, Batch* b, int32_t s) noexcept nogil:
     cdef Req* q = R(st, s)
     cdef Batch* prev
-    cdef bint tok = q.ph > 0
+    cdef int64_t tok = q.ph  # tokens the batch in flight carries for it
     if not st.unlimited:
         st.free_blocks += q.blocks
     q.blocks = 0
@@ -1015,7 +1028,7 @@ cdef int64_t serve_running_fast(State* st, Alloc* a, Pipe* p, Count* c, Batch* b
     return budget - tok
 
 
-cdef int relazify(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
+cdef int relazify(State* st, Alloc* a, Pipe* p, Batch* b) except -1 nogil:
     """After an exact step: fold decodes back into the aggregate, rebuild `ex`."""
     cdef int64_t i
     cdef int32_t s
@@ -1046,14 +1059,12 @@ cdef int relazify(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
                 prev.rel[prev.n_rel] = s
                 prev.n_rel += 1
             continue
-        rc = lazify(st, a, p, s, q.outputs + q.ph)
-        if rc < 0:
-            return -1
+        lazify(st, a, p, s, q.outputs + q.ph)
     st.materialized = False
     return 0
 
 
-cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
+cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) except -1 nogil:
     cdef int64_t i, n, c, pending
     cdef int32_t s
     cdef Req* q
@@ -1082,12 +1093,10 @@ cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
             if Pipe is AsyncPipe:
                 q.ph += 1
                 pending = q.outputs + q.ph
-                samp_add(b, s, q.gen)
+                samp_add(b, s, q.gen, 1)
             else:
                 pending = q.outputs + 1
             rc = lazify(st, a, p, s, pending)
-            if rc < 0:
-                return -1
             if rc == 1:
                 if pending > q.target:
                     # A wasted token past an unannounced stop: the batch in
@@ -1101,7 +1110,7 @@ cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) noexcept nogil:
     return 0
 
 
-cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) noexcept nogil:
+cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) except -1 nogil:
     cdef int64_t budget = st.P.token_budget
     cdef int64_t cap = eff_cap(st)
     cdef int64_t longest = 0
@@ -1109,8 +1118,7 @@ cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) noexcept nog
     cdef bint served_running = False
     st.n_sched = 0
     st.unlazy_batch = ring_prev(st)
-    if pop_leaves(st, a, p):
-        return -1
+    pop_leaves(st, a, p)
     for i in range(st.P.n_stages):
         stage = st.P.stages[i]
         if stage == STAGE_WAITING:
@@ -1143,11 +1151,9 @@ cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) noexcept nog
     if served_running or not st.P.exclusive:
         b.vt = st.vt
         st.vt += 1
-    if after_schedule(st, a, p, b):
-        return -1
+    after_schedule(st, a, p, b)
     if st.materialized:
-        if relazify(st, a, p, b):
-            return -1
+        relazify(st, a, p, b)
     st.unlazy_batch = NULL
     return 0
 
@@ -1228,14 +1234,8 @@ cdef int64_t kv_run_limit(State* st, int64_t m) noexcept nogil:
     return mm
 
 
-cdef int log_batch(State* st, Batch* b, double dt) noexcept nogil:
-    cdef int64_t* nl
-    if st.n_log + 8 > st.cap_log:
-        nl = <int64_t*>realloc(st.log, sizeof(int64_t) * (st.cap_log * 2 + 64))
-        if nl == NULL:
-            return -1
-        st.log = nl
-        st.cap_log = st.cap_log * 2 + 64
+cdef int log_batch(State* st, Batch* b, double dt) except -1 nogil:
+    mem_reserve(<void**>&st.log, &st.cap_log, st.n_log + 8, 64, sizeof(int64_t))
     st.log[st.n_log] = b.nsched
     st.log[st.n_log + 1] = b.pre
     st.log[st.n_log + 2] = b.dec
@@ -1248,7 +1248,7 @@ cdef int log_batch(State* st, Batch* b, double dt) noexcept nogil:
     return 0
 
 
-cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexcept nogil:
+cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except -1 nogil:
     """Advance over identical decode-only batches in closed form; return how many."""
     cdef int64_t m, budget, j, v
     cdef Ev* e
@@ -1293,9 +1293,8 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
             b.nsched = st.n_lazy
             b.dec = st.n_lazy
             b.dctx = st.s_base + st.n_lazy * v
-            if log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx):
-                return -1
-            st.ring_n -= 1
+            st.ring_n -= 1  # the record is all this batch leaves behind
+            log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx)
     if not st.unlimited:
         st.free_blocks -= demand_over(st, st.vt, m)
     st.t += dt
@@ -1319,7 +1318,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
 # The engine loop
 # ---------------------------------------------------------------------------
 
-cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexcept nogil:
+cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except -1 nogil:
     cdef Batch* b
     cdef Batch* prev
     cdef double dt
@@ -1327,19 +1326,16 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexce
     cdef int64_t ran
     while True:
         ran = try_run(st, a, p, c, max_batches)
-        if ran < 0:
-            return R_NOMEM
         b = ring_new(st)
-        if schedule(st, a, p, c, b):
-            return R_NOMEM
+        schedule(st, a, p, c, b)
         st.step += 1
         if b.nsched > 0:
             st.k += 1
             dt = st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau) + st.b2 * b.dctx \
                 + st.b3 * b.patt
             st.t += dt
-            if st.record and log_batch(st, b, dt):
-                return R_NOMEM
+            if st.record:
+                log_batch(st, b, dt)
             if st.found:
                 return R_FIRST_TOKEN
             if st.k >= max_batches:
@@ -1354,7 +1350,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) noexce
         ring_pop(st, a, p)
 
 
-cdef int run_dispatch(int code, State* st, int64_t max_batches) noexcept nogil:
+cdef int run_dispatch(int code, State* st, int64_t max_batches) except -1 nogil:
     # code = alloc * 4 + async * 2 + padded
     if code == 0:
         return run(st, <OnDemand*>NULL, <SyncPipe*>NULL, <TokenCount*>NULL, max_batches)
@@ -1382,7 +1378,7 @@ cdef int run_dispatch(int code, State* st, int64_t max_batches) noexcept nogil:
         return run(st, <MaxLength*>NULL, <AsyncPipe*>NULL, <PaddedCount*>NULL, max_batches)
 
 
-cdef int lazify_dispatch(int code, State* st, int32_t s, int64_t pending) noexcept nogil:
+cdef int lazify_dispatch(int code, State* st, int32_t s, int64_t pending) except -1 nogil:
     cdef int alloc = code // 4
     cdef bint is_async = (code // 2) % 2
     if alloc == 0:
@@ -1437,6 +1433,9 @@ cdef class Prepared:
     cdef int64_t n_rel
     cdef int32_t* b0_rel
     cdef int64_t n_b0_rel
+    cdef int32_t* b0_samp  # prefilling requests with a token in the in-flight batch
+    cdef int64_t n_b0_samp
+    cdef bint exact        # rows the aggregate cannot model: replay on the exact path
     cdef int64_t free_blocks
     cdef bint unlimited
     cdef bint has_inflight
@@ -1453,6 +1452,7 @@ cdef class Prepared:
         free(self.leave)
         free(self.rel)
         free(self.b0_rel)
+        free(self.b0_samp)
 
     def __len__(self):
         return self.n
@@ -1472,6 +1472,8 @@ cdef class Replayer:
         memset(&self.st, 0, sizeof(State))
 
     def __init__(self, policy):
+        # Every size below reaches a malloc or int64 arithmetic: bounded first.
+        check_policy(policy)
         self.policy = policy
         p = policy
         memset(&self.P, 0, sizeof(Params))
@@ -1537,6 +1539,7 @@ cdef class Replayer:
         tab = np.ascontiguousarray(table, dtype=np.int64)
         if tab.ndim != 2 or tab.shape[1] != NCOLS:
             raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
+        check_table(tab)
         cdef const int64_t[:, ::1] T = tab
         cdef int64_t n = T.shape[0], i, held = 0, freed = 0, lim, target, need
         cdef bint is_async = (self.code // 2) % 2
@@ -1552,19 +1555,22 @@ cdef class Replayer:
         pr.code = self.code
         pr.n = n
         pr.bs = bs
-        pr.r = <Req*>malloc(sizeof(Req) * (n + 1))
-        pr.ro = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
-        pr.ex = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
-        pr.wq = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
-        pr.hist = <int64_t*>malloc(sizeof(int64_t) * bs)
-        pr.b0_rel = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
-        if not (pr.r and pr.ro and pr.ex and pr.wq and pr.hist and pr.b0_rel):
-            raise MemoryError()
+        # Slots are int32 (and the new request takes one more).
+        if n > 0x7fffffff - 16:
+            raise ValueError(f"table has too many rows for one replay (got {n})")
+        pr.r = <Req*>mem_alloc(n + 1, sizeof(Req))
+        pr.ro = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
+        pr.ex = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
+        pr.wq = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
+        pr.hist = <int64_t*>mem_alloc(bs, sizeof(int64_t))
+        pr.b0_rel = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
+        pr.b0_samp = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
         memset(pr.hist, 0, sizeof(int64_t) * bs)
         memset(pr.r, 0, sizeof(Req) * (n + 1))
-        pr.ro_n = pr.n_ex = pr.wq_n = pr.n_b0_rel = 0
+        pr.ro_n = pr.n_ex = pr.wq_n = pr.n_b0_rel = pr.n_b0_samp = 0
         pr.has_inflight = False
         pr.b0_sampled = False
+        pr.exact = False
         for i in range(n):
             if T[i, COL_OUTPUT_LEN] < 1:
                 raise ValueError(
@@ -1577,9 +1583,14 @@ cdef class Replayer:
             if T[i, COL_STATE] == STATE_RUNNING:
                 q.status = S_RUNNING
                 q.computed = T[i, COL_COMPUTED]
-                q.ph = <int32_t>T[i, COL_PLACEHOLDERS]
+                q.ph = T[i, COL_PLACEHOLDERS]
                 need = q.prompt + q.outputs + q.ph - q.computed
                 q.prefilled = (q.outputs + q.ph >= 1) and need <= 1
+                if need <= 0:
+                    # Every token computed, placeholders included: vLLM schedules
+                    # nothing for it, ever; the decode aggregate assumes one token
+                    # per batch, so only the exact path models it.
+                    pr.exact = True
                 q.blocks = cdiv(q.computed, bs)
                 if alloc == 2 or (alloc == 1 and not q.prefilled):
                     q.blocks = imax(q.blocks, cdiv(self._reserve(q, alloc), bs))
@@ -1594,6 +1605,11 @@ cdef class Replayer:
                 if q.ph > 0:
                     pr.has_inflight = True
                     q.last_sched = -1  # scheduled in the in-flight batch (step -1)
+                if q.ph > 1:
+                    # Several tokens in flight (speculative decoding, or a forged
+                    # snapshot) may overshoot the request's end; only the exact
+                    # path serves the wasted token an engine schedules then.
+                    pr.exact = True
                 q.ro_pos = <int32_t>pr.ro_n
                 pr.ro[pr.ro_n] = <int32_t>i
                 pr.ro_n += 1
@@ -1617,39 +1633,46 @@ cdef class Replayer:
         tmp.P = &self.P
         tmp.r = pr.r
         tmp.src = pr.r
-        tmp.epoch = <int32_t*>malloc(sizeof(int32_t) * (n + 1))
-        if tmp.epoch == NULL:
-            raise MemoryError()
-        memset(tmp.epoch, 0, sizeof(int32_t) * (n + 1))  # == tmp.cur: in place
         tmp.hist = pr.hist
         tmp.vt = 0
         tmp.step = 0
-        for i in range(pr.ro_n):
-            s = pr.ro[i]
-            q = &pr.r[s]
-            q.gen = 0
-            if not q.prefilled:
-                pr.ex[pr.n_ex] = s
-                pr.n_ex += 1
-                continue
-            rc = lazify_dispatch(self.code, &tmp, s, q.outputs + q.ph)
-            if rc < 0:
-                raise MemoryError()
-            if rc == 1:
-                # Its last token is in the batch in flight at the snapshot.
-                pr.b0_rel[pr.n_b0_rel] = s
-                pr.n_b0_rel += 1
-            if q.ph > 0:
-                pr.b0_sampled = True
-        free(tmp.epoch)
+        try:
+            tmp.epoch = <int32_t*>mem_alloc(n + 1, sizeof(int32_t))
+            memset(tmp.epoch, 0, sizeof(int32_t) * (n + 1))  # == tmp.cur: in place
+            for i in range(pr.ro_n):
+                s = pr.ro[i]
+                q = &pr.r[s]
+                q.gen = 0
+                if not q.prefilled:
+                    if q.ph > 0:
+                        # A placeholder on a request still prefilling (no engine
+                        # reports one): the in-flight batch delivers its token,
+                        # which only the exact path models.
+                        pr.b0_samp[pr.n_b0_samp] = s
+                        pr.n_b0_samp += 1
+                        pr.b0_sampled = True
+                        pr.exact = True
+                    pr.ex[pr.n_ex] = s
+                    pr.n_ex += 1
+                    continue
+                rc = lazify_dispatch(self.code, &tmp, s, q.outputs + q.ph)
+                if rc == 1:
+                    # Its last token is in the batch in flight at the snapshot.
+                    pr.b0_rel[pr.n_b0_rel] = s
+                    pr.n_b0_rel += 1
+                if q.ph > 0:
+                    pr.b0_sampled = True
+        finally:
+            free(tmp.epoch)
+            # The heaps' contents become the sorted per-snapshot arrays (pr owns
+            # them from here, also when lazify ran out of memory half-way).
+            pr.leave = tmp.leave.heap
+            pr.n_leave = tmp.leave.n_heap
+            pr.rel = tmp.release.heap
+            pr.n_rel = tmp.release.n_heap
         pr.n_lazy = tmp.n_lazy
         pr.s_base = tmp.s_base
         pr.n_grow = tmp.n_grow
-        # The heaps' contents become the sorted per-snapshot arrays.
-        pr.leave = tmp.leave.heap
-        pr.n_leave = tmp.leave.n_heap
-        pr.rel = tmp.release.heap
-        pr.n_rel = tmp.release.n_heap
         if pr.n_leave:
             qsort(pr.leave, pr.n_leave, sizeof(Ev), ev_cmp)
         if pr.n_rel:
@@ -1677,55 +1700,59 @@ cdef class Replayer:
     # -- replay ---------------------------------------------------------------
 
     cdef int _ensure(self, int64_t n) except -1:
+        """Size the per-replay buffers for n slots.
+
+        Each buffer grows through mem_resize, which keeps the old block when an
+        allocation fails; st.cap (and the capacities derived from it) move only
+        once every buffer has its new size, so a replay that fits the old
+        capacity still runs on valid memory after a MemoryError here.
+        """
         cdef State* st = &self.st
         cdef int64_t cap = n + 8
         cdef int i
         if st.cap >= cap and st.hist != NULL and st.P != NULL:
             return 0
         st.P = &self.P
-        st.r = <Req*>realloc(st.r, sizeof(Req) * cap)
-        st.epoch = <int32_t*>realloc(st.epoch, sizeof(int32_t) * cap)
-        if st.epoch != NULL:
-            memset(st.epoch, 0, sizeof(int32_t) * cap)
+        mem_resize(<void**>&st.r, cap, sizeof(Req))
+        mem_resize(<void**>&st.epoch, cap, sizeof(int32_t))
+        # Epochs restart with the new block (copies made before are stale anyway).
+        memset(st.epoch, 0, sizeof(int32_t) * cap)
         st.cur = 0
-        st.ro = <int32_t*>realloc(st.ro, sizeof(int32_t) * cap * 2)
-        st.ro_cap = cap * 2
-        st.ex = <int32_t*>realloc(st.ex, sizeof(int32_t) * cap)
-        st.wq = <int32_t*>realloc(st.wq, sizeof(int32_t) * cap)
-        st.wq_cap = cap
-        st.hist = <int64_t*>realloc(st.hist, sizeof(int64_t) * self.P.bs)
-        st.sched = <int32_t*>realloc(st.sched, sizeof(int32_t) * cap)
-        st.sched_n = <int64_t*>realloc(st.sched_n, sizeof(int64_t) * cap)
-        st.sched_dec = <int8_t*>realloc(st.sched_dec, sizeof(int8_t) * cap)
-        st.sched_ctx = <int64_t*>realloc(st.sched_ctx, sizeof(int64_t) * cap)
-        st.tmp = <int32_t*>realloc(st.tmp, sizeof(int32_t) * cap)
-        st.grant = <int64_t*>realloc(st.grant, sizeof(int64_t) * cap)
+        mem_resize(<void**>&st.ro, cap * 2, sizeof(int32_t))
+        mem_resize(<void**>&st.ex, cap, sizeof(int32_t))
+        mem_resize(<void**>&st.wq, cap, sizeof(int32_t))
+        mem_resize(<void**>&st.hist, self.P.bs, sizeof(int64_t))
+        mem_resize(<void**>&st.sched, cap, sizeof(int32_t))
+        mem_resize(<void**>&st.sched_n, cap, sizeof(int64_t))
+        mem_resize(<void**>&st.sched_dec, cap, sizeof(int8_t))
+        mem_resize(<void**>&st.sched_ctx, cap, sizeof(int64_t))
+        mem_resize(<void**>&st.tmp, cap, sizeof(int32_t))
+        mem_resize(<void**>&st.grant, cap, sizeof(int64_t))
         # Per-batch lists: a batch collects entries while it is formed and again
         # while the next one is formed (releases, stale tokens), so they hold
         # several entries per request (duplicates are harmless, overflow is not).
         for i in range(3):
-            st.ring[i].rel = <int32_t*>realloc(st.ring[i].rel, sizeof(int32_t) * cap * 4)
-            st.ring[i].stale = <int32_t*>realloc(st.ring[i].stale, sizeof(int32_t) * cap * 2)
-            st.ring[i].stale_tok = <int8_t*>realloc(st.ring[i].stale_tok, sizeof(int8_t) * cap * 2)
-            st.ring[i].samp = <Ev*>realloc(st.ring[i].samp, sizeof(Ev) * cap * 4)
-            if not (st.ring[i].rel and st.ring[i].stale and st.ring[i].stale_tok and st.ring[i].samp):
-                raise MemoryError()
-        if not (st.r and st.epoch and st.ro and st.ex and st.wq and st.hist and st.sched and st.sched_n
-                and st.sched_dec and st.sched_ctx and st.tmp and st.grant):
-            raise MemoryError()
+            mem_resize(<void**>&st.ring[i].rel, cap * 4, sizeof(int32_t))
+            mem_resize(<void**>&st.ring[i].stale, cap * 2, sizeof(int32_t))
+            mem_resize(<void**>&st.ring[i].stale_tok, cap * 2, sizeof(int64_t))
+            mem_resize(<void**>&st.ring[i].samp, cap * 4, sizeof(Ev))
+        st.ro_cap = cap * 2
+        st.wq_cap = cap
         st.cap = cap
         return 0
 
-    cdef int _start(self, Prepared pr, int64_t prompt, int64_t output_len, int64_t max_tokens,
+    cdef int _start(self, Prepared pr, object prompt_tokens, object output_len, object max_tokens,
                     object coeffs, bint record) except -1:
         cdef State* st = &self.st
         cdef Req* q
         cdef Batch* b0
         cdef int64_t i
+        cdef int64_t prompt, out_len, cap_tokens
         if pr.code != self.code or pr.bs != self.P.bs:
             raise ValueError("prepared state belongs to another policy")
-        if prompt < 1:
-            raise ValueError(f"prompt_tokens must be >= 1 (got {prompt})")
+        prompt = check_tokens(prompt_tokens, "prompt_tokens", 1)
+        out_len = check_tokens(output_len, "output_len", MIN_ANY)
+        cap_tokens = check_tokens(max_tokens, "max_tokens", MIN_ANY)
         self._ensure(pr.n + 1)
         if len(coeffs) == 5:
             b0_, b1_, b2_, b3_, tau_ = coeffs
@@ -1769,7 +1796,7 @@ cdef class Replayer:
         st.k = 0
         st.t = 0.0
         st.materialized = False
-        st.force_slow = self.force_slow
+        st.force_slow = self.force_slow or pr.exact
         st.found = False
         st.record = record
         st.n_log = 0
@@ -1781,7 +1808,7 @@ cdef class Replayer:
         st.epoch[pr.n] = st.cur
         q = &st.r[pr.n]
         memset(q, 0, sizeof(Req))
-        self._init_req(q, prompt, 0, imax(output_len, 1), max_tokens)
+        self._init_req(q, prompt, 0, imax(out_len, 1), cap_tokens)
         q.status = S_WAITING
         q.ro_pos = -1
         q.last_sched = NEVER_SCHEDULED
@@ -1794,22 +1821,21 @@ cdef class Replayer:
             for i in range(pr.n_b0_rel):
                 b0.rel[i] = pr.b0_rel[i]
             b0.n_rel = pr.n_b0_rel
+            for i in range(pr.n_b0_samp):
+                samp_add(b0, pr.b0_samp[i], 0, pr.r[pr.b0_samp[i]].ph)  # gen 0: as prepared
         return 0
 
-    def ttft(self, Prepared prepared, long long prompt_tokens, long long output_len, coeffs,
-             long long max_tokens=-1):
+    def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1):
         """Return only the predicted time to first token (``inf`` when never)."""
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, 1_000_000)
-        if rc == R_NOMEM:
-            raise MemoryError()
         return self.st.t if rc == R_FIRST_TOKEN else INFINITY
 
-    def replay(self, Prepared prepared, long long prompt_tokens, long long output_len,
+    def replay(self, Prepared prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, long long max_batches=1_000_000,
-               long long max_tokens=-1):
+               max_tokens=-1):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``.
@@ -1818,8 +1844,6 @@ cdef class Replayer:
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, max_batches)
-        if rc == R_NOMEM:
-            raise MemoryError()
         batches = None
         if record:
             batches = tuple(self._records())

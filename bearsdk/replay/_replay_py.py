@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+from bearsdk.replay.types import (
+    MAX_TOKENS,
+    BatchRecord,
+    ReplayResult,
+    StopReason,
+    check_policy,
+    check_table,
+    check_tokens,
+)
 from bearsdk.schedulers.spec import Policy
 from bearsdk.snapshot import (
     COL_COMPUTED,
@@ -193,6 +201,7 @@ class Replayer:
     implementation = IMPLEMENTATION
 
     def __init__(self, policy: Policy) -> None:
+        check_policy(policy)
         self.policy = policy
         p = policy
         self._bs = p.block_size
@@ -226,6 +235,7 @@ class Replayer:
         tab = np.asarray(table, dtype=np.int64)
         if tab.ndim != 2 or tab.shape[1] != NCOLS:
             raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
+        check_table(tab)
         reqs: list[_Req] = []
         held = freed = 0
         has_inflight = False
@@ -339,8 +349,9 @@ class Replayer:
         Returns:
             The first-token batch, the summed batch times, and optionally the batches.
         """
-        if prompt_tokens < 1:
-            raise ValueError(f"prompt_tokens must be >= 1 (got {prompt_tokens})")
+        prompt_tokens = check_tokens(prompt_tokens, "prompt_tokens", 1)
+        output_len = check_tokens(output_len, "output_len", -MAX_TOKENS)
+        max_tokens = check_tokens(max_tokens, "max_tokens", -MAX_TOKENS)
         run = SchedulerCore._from_prepared(self, prepared, record, coeffs)
         new = self._make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
         run.waiting.append(new)
@@ -734,19 +745,22 @@ class SchedulerCore:
         for r in b.sampled:
             if r.status == _FINISHED:
                 continue
+            # The batch in flight at a snapshot carries all of a request's
+            # placeholders (several with speculative decoding); later batches one.
+            got = b.carried.get(r, 1)
             out.tokens.append(r.rid)
             if r.status == _WAITING:
                 # Preempted while its token was in flight: it still receives it.
-                r.outputs += 1
+                r.outputs += got
                 if r.outputs >= r.target:
                     r.status = _FINISHED
                     self.waiting.remove(r)
                     self.requests.pop(r.rid, None)
                     out.finished.append(r.rid)
                 continue
-            r.outputs += 1
+            r.outputs += got
             if async_:
-                r.ph -= 1
+                r.ph -= got
             if r.outputs >= r.target:
                 r.status = _FINISHED
                 if not self.unlimited:

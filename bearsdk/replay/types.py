@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 import numpy as np
@@ -13,7 +14,130 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from bearsdk.schedulers.spec import Policy
 
-__all__ = ["BatchRecord", "ReplayResult", "ReplayerProtocol", "StopReason"]
+__all__ = [
+    "MAX_TOKENS",
+    "BatchRecord",
+    "ReplayResult",
+    "ReplayerProtocol",
+    "StopReason",
+    "check_policy",
+    "check_table",
+    "check_tokens",
+]
+
+MAX_TOKENS: Final = 1 << 40
+"""The largest token count a replay accepts (far above any engine's, far below int64).
+
+Both implementations refuse anything beyond it with the same ``ValueError``:
+the compiled loop computes in 64-bit integers, and sums of a few counts this
+size cannot overflow there.
+"""
+
+# Column names as the snapshot contract spells them (bearsdk.snapshot.COLUMNS order).
+_COLUMNS: Final = (
+    "state",
+    "prompt_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "max_tokens",
+    "output_len",
+    "placeholders",
+)
+# Lowest value accepted per column (max_tokens <= 0 means "none").
+_COLUMN_MIN: Final = (0, 1, 0, 0, -MAX_TOKENS, -MAX_TOKENS, 0)
+
+
+def _short(v: object) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def check_tokens(value: object, name: str, minimum: int) -> int:
+    """Return ``value`` as an int within ``[minimum, MAX_TOKENS]``.
+
+    Raises:
+        ValueError: It is not an integer, or out of range (the message names
+            ``name`` and the value).
+    """
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer (got {_short(value)})") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum} (got {_short(v)})")
+    if v > MAX_TOKENS:
+        raise ValueError(f"{name} must be <= 2**40 (got {_short(v)})")
+    return v
+
+
+# The compiled loop keeps a histogram of block_size entries per replay; the
+# bound is the snapshot contract's (bearsdk.snapshot.MAX_BLOCK_SIZE).
+MAX_REPLAY_BLOCK_SIZE: Final = 4096
+
+
+def check_policy(p: Policy) -> None:
+    """Refuse a policy whose numbers either implementation cannot replay alike.
+
+    Specs bound their parameters when they are bound; this guards a
+    :class:`~bearsdk.schedulers.Policy` built some other way (``attrs.evolve``)
+    so that no size ever reaches an allocation unchecked.
+
+    Raises:
+        ValueError: The message names the field and the value.
+    """
+    if not 1 <= p.block_size <= MAX_REPLAY_BLOCK_SIZE:
+        raise ValueError(
+            f"policy {p.name!r}: block_size must be in [1, {MAX_REPLAY_BLOCK_SIZE}] "
+            f"(got {_short(p.block_size)})"
+        )
+    fields = (
+        ("token_budget", p.token_budget, 1),
+        ("max_seqs", p.max_seqs, 1),
+        ("max_model_len", p.max_model_len, 0),
+        ("chunk_cap", p.chunk_cap, 0),
+        ("num_blocks", p.num_blocks, 0),
+        ("reserved_blocks", p.reserved_blocks, 0),
+        ("watermark_blocks", p.watermark_blocks, 0),
+    )
+    for name, v, lo in fields:
+        if not lo <= v <= MAX_TOKENS:
+            raise ValueError(
+                f"policy {p.name!r}: {name} must be in [{lo}, 2**40] (got {_short(v)})"
+            )
+
+
+def check_table(tab: npt.NDArray[np.int64]) -> None:
+    """Refuse a snapshot table whose counts either implementation cannot replay alike.
+
+    Args:
+        tab: ``int64`` rows (``bearsdk.snapshot.COLUMNS``), already shape-checked.
+
+    Raises:
+        ValueError: A count is negative or beyond :data:`MAX_TOKENS`, a state is
+            unknown, or a running request has more tokens computed than it has
+            (prompt + outputs + placeholders); the message names row, column and value.
+    """
+    if tab.shape[0] == 0:
+        return
+    lo = np.asarray(_COLUMN_MIN, dtype=np.int64)
+    bad = (tab < lo) | (tab > MAX_TOKENS)
+    bad[:, 0] |= tab[:, 0] > 1
+    running = tab[:, 0] == 0
+    over = running & (tab[:, 2] > tab[:, 1] + tab[:, 3] + tab[:, 6])
+    if not bad.any() and not over.any():
+        return
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        v = int(tab[i, j])
+        hi = 1 if j == 0 else MAX_TOKENS
+        raise ValueError(
+            f"row {i}: {_COLUMNS[j]} must be in [{_COLUMN_MIN[j]}, {hi}] (got {_short(v)})"
+        )
+    i = int(np.argmax(over))
+    raise ValueError(
+        f"row {i}: computed_tokens must be <= prompt_tokens + output_tokens + placeholders "
+        f"(got {int(tab[i, 2])} > {int(tab[i, 1] + tab[i, 3] + tab[i, 6])})"
+    )
 
 
 class StopReason(enum.StrEnum):
