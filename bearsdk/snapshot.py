@@ -1,7 +1,7 @@
 """The ``bear.snapshot/1`` workload snapshot: model, strict decoder, compact form.
 
 An engine publishes a snapshot of its resident requests after every step
-(``../shared/CONTRACTS.md`` section 1). The router keeps the latest valid one per
+(``docs/contracts.md`` section 1). The router keeps the latest valid one per
 instance and replays batch formation from it. This module turns the wire form
 (JSON) into a :class:`Snapshot`, validating every field; a document that fails
 validation raises :class:`~bearsdk.errors.SnapshotError` naming the field and the

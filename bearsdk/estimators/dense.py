@@ -1,6 +1,6 @@
 """Dense-layer costs measured by Vidur, and eq. 12's token-linear part fitted to them.
 
-``../shared/data/vidur_profiling/mlp_linear_ops_median_ms.csv`` holds the median
+``vidur_profiling/mlp_linear_ops_median_ms.csv`` (public data, ``docs/data.md``) holds the median
 per-layer time of every dense (non-attention) operator of several models on A100,
 A40 and H100, at 1-4096 tokens (1-32768 for Llama-3) and tensor-parallel degrees
 1-8. A forward pass's dense cost is the embedding lookup plus ``num_layers`` times

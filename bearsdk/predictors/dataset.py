@@ -11,8 +11,8 @@ fill it:
   and ``prompt_tokens`` (the server's count, used to fit each model's
   characters-per-token prior) are each optional, but a row needs one of the
   first two. Models must belong to the pool given alongside.
-* :func:`read_alpaca_eval`: the AlpacaEval tables in ``shared/data/alpaca_eval``
-  (CC BY-NC 4.0: for evaluation only; nothing derived from them ships). The
+* :func:`read_alpaca_eval`: the AlpacaEval tables in ``alpaca_eval/`` of the data
+  folder (``docs/data.md``; CC BY-NC 4.0: for evaluation only; nothing derived from them ships). The
   accuracy of a model on a prompt is its AlpacaEval 2.0 weighted preference over
   the GPT-4-1106 baseline minus one (in [0, 1]); output tokens are approximated
   as characters / 4 (the tables carry no token counts).

@@ -16,7 +16,7 @@ on prompts generated here, for the paper's Qwen3 pool and its four tasks:
   shorten the output accordingly, so the length head learns them.
 
 ==============  =========================================  ============================
-task            trace (shared/data)                        rows used
+task            trace (data folder, docs/data.md)          rows used
 ==============  =========================================  ============================
 alpaca          vidur_traces/sharegpt_8k_filtered...csv    prefill <= 512
 govreport       vidur_traces/arxiv_summarization...csv     prefill >= 1024

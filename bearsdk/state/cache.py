@@ -13,7 +13,7 @@ A snapshot that fails any check is rejected whole: the cached one stays, the
 reason is counted (:meth:`SnapshotCache.stats`) and logged (rate-limited, so a
 flood of bad snapshots does not flood the log).
 
-Ordering (``../shared/CONTRACTS.md`` section 1 and ``docs/protocol.md``): a cache
+Ordering (``docs/contracts.md`` section 1 and ``docs/protocol.md``): a cache
 never replaces a snapshot by one with a lower ``seq`` of the same engine run. A
 new ``epoch`` marks a restarted engine, whose ``seq`` starts over; without
 ``epoch``, a lower ``seq`` is accepted only as the first snapshot of a fresh

@@ -14,8 +14,8 @@ hooks (:attr:`~bearsdk.vllm.publisher.Publisher.hooks`):
   KV blocks. Everything the engine did since the last batch (outputs
   processed, arrivals and aborts applied) is in, and with async scheduling
   the batch still in flight shows as placeholders: the state the replay of
-  ``vllm-v1`` starts from (``../shared/tools/vllm-oracle/gen_cases.py``
-  captures the same);
+  ``vllm-v1`` starts from (the vllm-oracle tool's ``gen_cases.py`` captures
+  the same);
 * after ``schedule()``: the batch's composition;
 * at the start of ``update_from_output()``: the batch is done (its duration;
   its sampled tokens). When the engine is then left with nothing to schedule
