@@ -9,6 +9,7 @@ misbehave on command.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from collections import deque
@@ -290,6 +291,16 @@ async def test_a_stream_closed_early_and_one_run_to_the_end_both_complete() -> N
         assert_off_the_books(router)
         doc = await router.chat(MSG, max_tokens=5)
         assert doc.instance == "a"
+        assert_off_the_books(router)
+
+
+async def test_a_stream_dropped_unread_is_taken_off_the_books() -> None:
+    async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
+        eng.default = "hang-after-head"
+        stream = await router.chat(MSG, stream=True, max_tokens=5)
+        assert router.inflight("a") == 1
+        del stream
+        gc.collect()
         assert_off_the_books(router)
 
 

@@ -1302,6 +1302,14 @@ class ChatStream:
     async def __aenter__(self) -> ChatStream:
         return self
 
+    def __del__(self) -> None:
+        # Dropped unread and unclosed: take the request off the books (and free a
+        # probe slot) rather than count it in flight for ever.
+        if not self._done:
+            self._inst.breaker.on_abandon()
+            self._finish("cancelled")
+            self._resp.close()
+
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
