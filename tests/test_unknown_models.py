@@ -124,3 +124,10 @@ def test_prior_predictions_and_learned_token_counts() -> None:
     assert p.tokens.reports(MISTRAL) == 1
     assert p.predict(PROMPT, prompt_tokens=50).prompt_tokens.tolist() == [50.0] * (k + 2)
     assert p.with_priors({LLAMA: 0.5}) is p  # already covered: left as it is
+
+
+def test_a_saved_predictor_holds_only_what_was_trained(tmp_path: Path) -> None:
+    p = Predictor.load_default().with_priors({LLAMA: 0.5})
+    back = Predictor.load(p.save(tmp_path / "p.bearpred"))
+    assert back.models == p.trained_models
+    assert back.predict(PROMPT).accuracy.tolist() == p.predict(PROMPT).accuracy[:-1].tolist()
