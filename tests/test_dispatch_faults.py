@@ -24,8 +24,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bearsdk.router import AsyncRouter, CircuitBreaker, DispatchError, InstanceConfig
-from bearsdk.router.router import RequestError
+from bearsdk.router import AsyncRouter, CircuitBreaker, DispatchError, InstanceConfig, RequestError
 from bearsdk.selectors import LatencyAgnostic
 
 MSG = [{"role": "user", "content": "Name three rivers."}]

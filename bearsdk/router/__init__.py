@@ -11,6 +11,7 @@ from bearsdk.router.router import (
     DispatchError,
     EngineRequestError,
     NoInstanceError,
+    RequestError,
     RouterHooks,
 )
 from bearsdk.router.targets import FixedTarget, PaperTargets, TargetRule
@@ -33,6 +34,7 @@ __all__ = [
     "NoInstanceError",
     "PaperTargets",
     "PrometheusMetrics",
+    "RequestError",
     "RouterHooks",
     "TargetRule",
     "load_pool_config",
