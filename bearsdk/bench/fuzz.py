@@ -22,7 +22,10 @@ the router does with each:
   when accepted, the compiled and the pure ``ttft()`` agree for three new
   requests; the payload then goes through the cache of a real
   :class:`~bearsdk.AsyncRouter` (two instances, the trained predictor, a frozen
-  clock) and ``decide()`` chooses an instance.
+  clock) and ``decide()`` chooses an instance (after every accepted payload
+  and every 10th rejected one in the worker processes; the pure twin's
+  ``ttft()`` on every 50th accepted one there, ``--twin-every``: the pure
+  replay of a large snapshot costs tens of milliseconds).
 * **transports**, ``--transport N`` payloads per source (default 2,000) go
   through the real delivery paths first, each waited for before the next:
   ``poll`` (a :class:`~bearsdk.io.PollSource` against an HTTP endpoint on port 0
@@ -300,6 +303,9 @@ class Tally:
     other: int = 0
     max_message: int = 0
     max_ttft_s: float = 0.0
+    max_ttft_at: int = -1
+    max_reject_s: float = 0.0
+    max_reject_at: int = -1
     reject_s: array[float] = attrs.field(factory=lambda: array("d"))
     examples: list[str] = attrs.field(factory=list)
 
@@ -321,7 +327,10 @@ class Tally:
         ):  # fmt: skip
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.max_message = max(self.max_message, other.max_message)
-        self.max_ttft_s = max(self.max_ttft_s, other.max_ttft_s)
+        if other.max_ttft_s > self.max_ttft_s:
+            self.max_ttft_s, self.max_ttft_at = other.max_ttft_s, other.max_ttft_at
+        if other.max_reject_s > self.max_reject_s:
+            self.max_reject_s, self.max_reject_at = other.max_reject_s, other.max_reject_at
         self.reject_s.extend(other.reject_s)
         self.examples.extend(other.examples[: max(0, _EXAMPLES - len(self.examples))])
 
@@ -343,6 +352,8 @@ class Tally:
             "reject_p99_ms": round(1e3 * p99, 3),
             "max_message_bytes": self.max_message,
             "accepted_ttft_max_ms": round(1e3 * self.max_ttft_s, 3),
+            "slowest_ttft_payload": self.max_ttft_at,
+            "slowest_reject_payload": self.max_reject_at,
             "examples": list(self.examples),
         }
 
@@ -398,10 +409,13 @@ class Harness:
             every ``twin_every``-th accepted payload (the compiled one runs on
             all of them). The pure replay of a 64-request snapshot costs tens of
             milliseconds: 1M payloads cannot afford it on every one.
+        decide_every: Call the router's ``decide()`` after every
+            ``decide_every``-th payload (its cache takes every one).
     """
 
-    def __init__(self, *, router: bool = True, twin_every: int = 1) -> None:
+    def __init__(self, *, router: bool = True, twin_every: int = 1, decide_every: int = 1) -> None:
         self.twin_every = max(1, twin_every)
+        self.decide_every = max(1, decide_every)
         self._accepted = 0
         # Every payload is a rejection somewhere: the caches' warnings would be the output.
         logging.getLogger("bearsdk.state.cache").setLevel(logging.ERROR)
@@ -510,8 +524,8 @@ class Harness:
                     tally.note("escapes", index, f"ttft {scheduler}/{impl}: {type(exc).__name__}")
                     return
                 dt = time.perf_counter() - t0
-                if impl == "cython" or len(entries) == 1:
-                    tally.max_ttft_s = max(tally.max_ttft_s, dt)
+                if (impl == "cython" or len(entries) == 1) and dt > tally.max_ttft_s:
+                    tally.max_ttft_s, tally.max_ttft_at = dt, index
             vals = list(got.values())
             if not all(_close(vals[0], v) for v in vals[1:]):
                 tally.note("ttft_disagreements", index, f"{scheduler} prompt {prompt}: {got}")
@@ -531,15 +545,18 @@ class Harness:
         dt = time.perf_counter() - t0
         if out is Outcome.REJECTED:
             tally.reject_s.append(dt)
+            if dt > tally.max_reject_s:
+                tally.max_reject_s, tally.max_reject_at = dt, index
             if cache.entry is not good:
                 tally.note("lost_good", index, "router cache")
-        try:
-            d = r.decide(PROMPT, ttft_target=5.0)
-        except Exception as exc:
-            tally.note("escapes", index, f"decide: {type(exc).__name__}: {exc!s:.200}")
-        else:
-            if d.instance not in ("i0", "i1"):
-                tally.note("other", index, f"decide chose {d.instance!r}")
+        if out is Outcome.ACCEPTED or index % self.decide_every == 0:
+            try:
+                d = r.decide(PROMPT, ttft_target=5.0)
+            except Exception as exc:
+                tally.note("escapes", index, f"decide: {type(exc).__name__}: {exc!s:.200}")
+            else:
+                if d.instance not in ("i0", "i1"):
+                    tally.note("other", index, f"decide chose {d.instance!r}")
         if out is Outcome.ACCEPTED:
             cache.clear()
             cache.offer(_good("i0"), received=T0)
@@ -549,7 +566,7 @@ class Harness:
 
 
 def _work(seed: int, start: int, stop: int, twin_every: int, conn: Any) -> None:
-    h = Harness(twin_every=twin_every)
+    h = Harness(twin_every=twin_every, decide_every=10)
     tally = Tally()
     for i in range(start, stop):
         h.check(payload(seed, i), i, tally)
@@ -571,7 +588,7 @@ def _in_process(
     ``jobs`` 0 runs them in this process (a crash then ends the run).
     """
     if jobs <= 0:
-        h = Harness(twin_every=twin_every)
+        h = Harness(twin_every=twin_every, decide_every=10)
         tally = Tally()
         for i in range(start, start + n):
             h.check(payload(seed, i), i, tally)
@@ -873,6 +890,12 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         "--jobs", type=_count, default=os.cpu_count() or 1, help="worker processes (0: none)"
     )
     p.add_argument("--redis-url", default=None, help="a Redis server (default: start one)")
+    p.add_argument(
+        "--twin-every",
+        type=_count,
+        default=50,
+        help="pure twin's ttft() on every Nth accepted payload of the workers",
+    )
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)
 
@@ -894,6 +917,7 @@ def _main(args: argparse.Namespace) -> int:
         transport=args.transport,
         jobs=args.jobs,
         redis_url=args.redis_url,
+        twin_every=max(1, args.twin_every),
         progress=progress,
     )
     if args.json:
@@ -925,6 +949,10 @@ def _main(args: argparse.Namespace) -> int:
         f"{t['other_failures']}; rejection max {t['reject_max_ms']} ms (p99 "
         f"{t['reject_p99_ms']} ms), message max {t['max_message_bytes']} B, accepted ttft() "
         f"max {t['accepted_ttft_max_ms']} ms (targets 10 ms, 1024 B, 10 ms)"
+    )
+    print(
+        f"slowest: accepted ttft() payload {t['slowest_ttft_payload']}, rejection payload "
+        f"{t['slowest_reject_payload']} (regenerate: bearsdk.bench.fuzz.payload(seed, index))"
     )
     for line in report["crash_ranges"]:
         print(f"  crash: {line}")
