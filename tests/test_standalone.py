@@ -192,14 +192,34 @@ def _published() -> list[Path]:
     ]
 
 
-def test_docs_and_examples_point_only_inside_the_repository() -> None:
-    bad = re.compile(r"\.\./shared|(?<![\w.])/(?:work|root|home|Users)/")
-    hits = [
+def _sources() -> list[Path]:
+    return [
+        p
+        for top in ("bearsdk", "cext", "schedulers", "tests")
+        for p in sorted((REPO / top).rglob("*"))
+        if p.suffix in (".py", ".pyx", ".pxd", ".toml", ".md") and "data" not in p.parts
+    ]
+
+
+def _hits(paths: list[Path], bad: re.Pattern[str]) -> list[str]:
+    return [
         f"{p.relative_to(REPO)}:{i}: {line.strip()}"
-        for p in _published()
+        for p in paths
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
         if bad.search(line)
     ]
+
+
+MACHINE_PATH = r"(?<![\w.])/(?:work|root|home|Users)/"
+
+
+def test_docs_and_examples_point_only_inside_the_repository() -> None:
+    hits = _hits(_published(), re.compile(r"\.\./shared|" + MACHINE_PATH))
+    assert not hits, "\n".join(hits)
+
+
+def test_no_source_holds_a_path_of_a_machine() -> None:
+    hits = _hits(_sources(), re.compile(MACHINE_PATH))
     assert not hits, "\n".join(hits)
 
 

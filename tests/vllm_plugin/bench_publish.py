@@ -3,7 +3,7 @@
 
 Runs under the vllm-oracle interpreter, on a CPU:
 
-    /work/.venv-vllm-oracle/bin/python tests/vllm_plugin/bench_publish.py [--json FILE]
+    "$BEARSDK_VLLM_ORACLE" tests/vllm_plugin/bench_publish.py [--json FILE]
 
 vLLM 0.33's real scheduler (``--scheduler-cls bearsdk.vllm.BearScheduler``,
 max_num_seqs 256, 8192-token budget) is filled with 256 requests of 1000

@@ -24,7 +24,7 @@ shared-memory segment and the HTTP side server, read while vLLM runs
 (``transports.json``). ``tests/vllm_plugin/test_oracle.py`` runs this script
 and checks its output with bearsdk's replay.
 
-    /work/.venv-vllm-oracle/bin/python tests/vllm_plugin/driver.py \\
+    "$BEARSDK_VLLM_ORACLE" tests/vllm_plugin/driver.py \\
         --configs c01,c03 --requests 300 --targets 20 --out /tmp/plugin-run
 """
 
