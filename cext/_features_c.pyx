@@ -21,8 +21,10 @@
 
 from libc.math cimport isnan
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free
 from libc.string cimport memset
+
+from _mem cimport mem_alloc
 
 import numpy as np
 
@@ -502,10 +504,8 @@ cdef class Forest:
         if n_trees < 0 or ls.shape[0] != ns.shape[0]:
             raise ValueError("node_start and leaf_start must have n_trees + 1 entries")
         total = <int32_t>n
-        self._nodes = <Node*>malloc(max(total, 1) * sizeof(Node))
-        self._trees = <Tree*>malloc(max(n_trees, 1) * sizeof(Tree))
-        if self._nodes == NULL or self._trees == NULL:
-            raise MemoryError()
+        self._nodes = <Node*>mem_alloc(max(total, 1), sizeof(Node))
+        self._trees = <Tree*>mem_alloc(max(n_trees, 1), sizeof(Tree))
         start = 0
         for t in range(n_trees):
             n_int = ns[t + 1] - ns[t]

@@ -27,6 +27,19 @@ cdef inline int mem_bytes(int64_t n, size_t itemsize, size_t* out) except -1 nog
     return 0
 
 
+cdef inline int mem_try_resize(void** block, int64_t n, size_t itemsize) noexcept nogil:
+    """mem_resize for callers that report failure by return code: -1, nothing raised, *block unchanged."""
+    cdef size_t limit = (<size_t>1) << MEM_MAX_BYTES_LOG2
+    cdef void* p
+    if n < 0 or itemsize == 0 or <size_t>n > limit / itemsize:
+        return -1
+    p = realloc(block[0], <size_t>n * itemsize if n > 0 else 1)
+    if p == NULL:
+        return -1
+    block[0] = p
+    return 0
+
+
 cdef inline int mem_resize(void** block, int64_t n, size_t itemsize) except -1 nogil:
     """Resize *block to n items; on failure *block is unchanged (still valid) and MemoryError is raised."""
     cdef size_t nbytes

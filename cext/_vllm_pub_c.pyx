@@ -63,7 +63,9 @@
 from cpython.object cimport PyObject
 from posix.time cimport CLOCK_MONOTONIC, CLOCK_REALTIME, clock_gettime, timespec
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport calloc, free
+
+from _mem cimport mem_alloc, mem_resize, mem_try_resize
 from libc.string cimport memcpy, memset, strlen
 
 IMPLEMENTATION = "cython"
@@ -306,14 +308,11 @@ cdef char* put_str(char* p, const char* s, Py_ssize_t n) noexcept nogil:
 
 cdef int reserve(Out* o, Py_ssize_t need) noexcept nogil:
     cdef Py_ssize_t cap
-    cdef char* nb
     if need <= o.cap:
         return 0
     cap = need if need > 2 * o.cap else 2 * o.cap
-    nb = <char*>realloc(o.buf, cap)
-    if nb == NULL:
-        return -1
-    o.buf = nb
+    if mem_try_resize(<void**>&o.buf, cap, 1):
+        return -1  # o.buf and o.cap unchanged
     o.cap = cap
     return 0
 
@@ -426,10 +425,8 @@ def id_fragment(str rid):
     """The constant head of a request's row: ``{"id":"<id>","state":"``."""
     cdef bytes raw = rid.encode("utf-8", "replace")
     cdef Py_ssize_t n = len(raw)
-    cdef char* tmp = <char*>malloc(16 + 6 * n)
+    cdef char* tmp = <char*>mem_alloc(16 + 6 * n, 1)
     cdef char* p
-    if tmp == NULL:
-        raise MemoryError()
     try:
         p = put(tmp, b'{"id":', 6)
         p = put_str(p, raw, n)
@@ -443,10 +440,8 @@ def json_head(str instance, str epoch):
     """The document's constant head (schema, instance, epoch)."""
     cdef bytes inst = instance.encode("utf-8", "replace")
     cdef bytes ep = epoch.encode("utf-8", "replace")
-    cdef char* tmp = <char*>malloc(64 + 6 * (len(inst) + len(ep)))
+    cdef char* tmp = <char*>mem_alloc(64 + 6 * (len(inst) + len(ep)), 1)
     cdef char* p
-    if tmp == NULL:
-        raise MemoryError()
     try:
         p = put(tmp, b'{"schema":"bear.snapshot/1","instance":', 39)
         p = put_str(p, inst, len(inst))
@@ -612,15 +607,11 @@ cdef class Capture:
     # -- the request table ---------------------------------------------------
 
     cdef int _bury(self, char* frag) except -1:
-        cdef Grave* ng
         cdef Py_ssize_t cap
         if self.ngraves == self.gcap:
             cap = 2 * self.gcap if self.gcap else 64
-            ng = <Grave*>realloc(self.graves, cap * sizeof(Grave))
-            if ng == NULL:
-                # Out of memory: leak it; a frame may still point at it.
-                raise MemoryError()
-            self.graves = ng
+            # Out of memory: frag leaks (a frame may still point at it).
+            mem_resize(<void**>&self.graves, cap, sizeof(Grave))
             self.gcap = cap
         self.graves[self.ngraves].frag = frag
         self.graves[self.ngraves].gen = self.gen
@@ -652,7 +643,6 @@ cdef class Capture:
         cdef Py_ssize_t j, k = 0, i
         cdef uint64_t mask = tcap - 1
         cdef bint keep_all = ecap > self.ecap
-        cdef Entry* ne
         cdef int32_t* nr = <int32_t*>calloc(tcap, sizeof(int32_t))
         cdef int32_t* nd = <int32_t*>calloc(tcap, sizeof(int32_t))
         if nr == NULL or nd == NULL:
@@ -660,12 +650,10 @@ cdef class Capture:
             free(nd)
             raise MemoryError()
         if ecap > self.ecap:
-            ne = <Entry*>realloc(self.ents, ecap * sizeof(Entry))
-            if ne == NULL:
+            if mem_try_resize(<void**>&self.ents, ecap, sizeof(Entry)):
                 free(nr)
                 free(nd)
-                raise MemoryError()
-            self.ents = ne
+                raise MemoryError(f"could not grow the request table to {ecap} entries")
             self.ecap = ecap
         for j in range(self.ecount):
             if not keep_all and self.ents[j].gen != self.gen:
@@ -729,9 +717,7 @@ cdef class Capture:
         prompt = int_field(d, r, K_PROMPT)
         max_tokens = r.max_tokens
         volatile = bool(getattr(r, "resumable", False))
-        frag = <char*>malloc(n)
-        if frag == NULL:
-            raise MemoryError()
+        frag = <char*>mem_alloc(n, 1)
         memcpy(frag, <const char*>raw, n)
         k = self.ecount
         e = &self.ents[k]
@@ -767,28 +753,20 @@ cdef class Capture:
     # -- capture -------------------------------------------------------------
 
     cdef int _reserve_frame(self, Frame* f, Py_ssize_t n) except -1:
-        cdef Row* rows
         cdef Py_ssize_t cap
         if n <= f.cap:
             return 0
         cap = n if n > 2 * f.cap else 2 * f.cap
-        rows = <Row*>realloc(f.rows, cap * sizeof(Row))
-        if rows == NULL:
-            raise MemoryError()
-        f.rows = rows
+        mem_resize(<void**>&f.rows, cap, sizeof(Row))
         f.cap = cap
         return 0
 
     cdef int _reserve_run(self, Py_ssize_t n) except -1:
         cdef Py_ssize_t cap
-        cdef int32_t* ids
         if n <= self.run_cap:
             return 0
         cap = n if n > 2 * self.run_cap else 2 * self.run_cap
-        ids = <int32_t*>realloc(self.run_idx, cap * sizeof(int32_t))
-        if ids == NULL:
-            raise MemoryError()
-        self.run_idx = ids
+        mem_resize(<void**>&self.run_idx, cap, sizeof(int32_t))
         self.run_cap = cap
         return 0
 
@@ -985,18 +963,11 @@ cdef class Capture:
 
     cdef int _record(self, Sampled* b, Entry* e) except -1:
         cdef Py_ssize_t cap
-        cdef PyObject** rids
-        cdef uint32_t* serials
         if b.n == b.cap:
             cap = 2 * b.cap if b.cap else 64
-            rids = <PyObject**>realloc(b.rids, cap * sizeof(PyObject*))
-            if rids == NULL:
-                raise MemoryError()
-            b.rids = rids
-            serials = <uint32_t*>realloc(b.serials, cap * sizeof(uint32_t))
-            if serials == NULL:
-                raise MemoryError()
-            b.serials = serials
+            # b.cap moves only once both arrays have grown.
+            mem_resize(<void**>&b.rids, cap, sizeof(PyObject*))
+            mem_resize(<void**>&b.serials, cap, sizeof(uint32_t))
             b.cap = cap
         b.rids[b.n] = e.rid
         b.serials[b.n] = e.serial
