@@ -312,3 +312,17 @@ def test_backoff_grows_and_caps() -> None:
 def test_sources_satisfy_the_protocol() -> None:
     for make in SOURCES.values():
         assert isinstance(make("http://x"), SnapshotSource)
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "1e308", "-5", "x" * 500])
+async def test_push_min_interval_is_bounded(engine: Engine, raw: str) -> None:
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{engine.url}/bear/snapshots", params={"min_interval_ms": raw}) as r,
+    ):
+        assert r.status == 400
+        msg = (await r.json())["error"]["message"]
+    assert "min_interval_ms must be a number in [0, 60000]" in msg
+    assert len(msg) < 200

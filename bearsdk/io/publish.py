@@ -14,7 +14,7 @@ import math
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import attrs
@@ -24,6 +24,10 @@ from aiohttp import web
 from bearsdk.snapshot import SCHEMA, Snapshot
 
 __all__ = ["SnapshotPublisher", "empty_snapshot"]
+
+
+MAX_MIN_INTERVAL_MS: Final = 60_000.0
+"""Longest ``min_interval_ms`` a stream client may ask for (a minute between snapshots)."""
 
 
 def empty_snapshot(
@@ -143,17 +147,24 @@ class SnapshotPublisher:
         """``GET /bear/snapshots``: NDJSON, the current snapshot then every new one."""
         raw = request.query.get("min_interval_ms", "0")
         try:
-            min_interval = max(0.0, float(raw) / 1000.0)
+            ms = float(raw)
         except ValueError:
+            ms = math.nan
+        # inf would park the stream after its next snapshot for good; NaN fails this too.
+        if not 0.0 <= ms <= MAX_MIN_INTERVAL_MS:
             return web.json_response(
                 {
                     "error": {
-                        "message": f"min_interval_ms must be a number (got {raw!r})",
+                        "message": (
+                            f"min_interval_ms must be a number in [0, {MAX_MIN_INTERVAL_MS:g}] "
+                            f"(got {raw!r:.80})"
+                        ),
                         "type": "BadRequestError",
                     }
                 },
                 status=400,
             )
+        min_interval = ms / 1000.0
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
