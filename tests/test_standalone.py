@@ -146,6 +146,12 @@ def test_data_dependent_commands_name_the_data(
     assert not (clone / argv[-1]).exists()
 
 
+def test_the_emulator_table_derivation_names_the_data(clone: Path) -> None:
+    argv = (sys.executable, "-m", "bearsdk.emulator.derive", "--out", "derived.py")
+    assert_names_missing_data(run(clone, *argv), "vidur-profiling")
+    assert not (clone / "derived.py").exists()
+
+
 # -- the resolver --------------------------------------------------------------------
 
 

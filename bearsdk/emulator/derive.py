@@ -1,11 +1,11 @@
-"""Derive the emulator's shipped table (``_derived.py``) from the shared real data, in place.
+"""Derive the emulator's shipped table (``_derived.py``) from the public data sets, in place.
 
-Run from a checkout that has the shared data next to it::
+Run with the data folder (``docs/data.md``: ``--data-dir`` or ``$BEARSDK_DATA``)::
 
     python -m bearsdk.emulator.derive            # rewrite bearsdk/emulator/_derived.py
     python -m bearsdk.emulator.derive --check    # exit 1 if the shipped table is stale
 
-The package never reads the shared data at run time and ships none of it: only a
+The package never reads these data at run time and ships none of it: only a
 few numbers per profile, each one computed here.
 
 * **Dense cost** (``dense_knots_s``): Vidur's measured per-forward dense cost
@@ -216,16 +216,25 @@ def render_table(table: Mapping[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: rewrite (or ``--check``) ``_derived.py``."""
-    from bearsdk.estimators.dense import shared_data_dir
+    from bearsdk.data import DataNotFoundError, data_dir
 
     ap = argparse.ArgumentParser(prog="python -m bearsdk.emulator.derive", description=__doc__)
-    ap.add_argument("--data", type=Path, help="shared data directory (default: auto-detected)")
+    ap.add_argument(
+        "--data",
+        "--data-dir",
+        dest="data",
+        type=Path,
+        help="data folder (default: $BEARSDK_DATA; see docs/data.md)",
+    )
     ap.add_argument("--check", action="store_true", help="exit 1 if _derived.py is stale")
     ap.add_argument("--out", type=Path, default=DERIVED_PY, help="file to write")
     args = ap.parse_args(argv)
-    data = args.data or shared_data_dir()
-    if data is None or not Path(data).is_dir():
-        print("shared data directory not found (pass --data)", file=sys.stderr)
+    try:
+        data = args.data
+        for dataset in ("vidur-profiling", "azure-llm-2023", "alpaca-eval"):
+            data = data_dir(data, dataset)
+    except DataNotFoundError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 2
     text = render_table(derive_table(Path(data)))
     if args.check:
