@@ -1418,19 +1418,18 @@ class ChatStream:
             if nl < 0:
                 break
             end = nl - 1 if nl > pos and buf[nl - 1] == 13 else nl  # CRLF
-            line = bytes(buf[pos:end])
-            pos = self._scan = nl + 1
-            if not line:
+            start, pos = pos, nl + 1
+            self._scan = pos
+            if end == start:
                 if self._data and self._dispatch():
                     return
-            elif line.startswith(b"data:"):
-                data = line[5:]
-                if data.startswith(b" "):
-                    data = data[1:]
-                self._event_size += len(data) + 1
+            elif buf.startswith(b"data:", start):
+                start += 6 if buf.startswith(b"data: ", start) else 5
+                self._event_size += end - start + 1
                 if self._event_size > self._limit:
                     self._fail(f"an event is larger than {self._limit} bytes (max_event_bytes)")
-                self._data.append(data)
+                with memoryview(buf) as view:  # one copy of the payload, not three
+                    self._data.append(bytes(view[start:end]))
             # Other fields (event:, id:, retry:) and comments carry nothing here.
         if pos:
             del buf[:pos]
