@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
 import anyio
+import numpy as np
 import orjson
 import pytest
 from aiohttp import web
@@ -416,6 +417,15 @@ async def test_nonsense_ttft_targets_are_refused_everywhere(bad: object) -> None
         assert_off_the_books(router)
 
 
+async def test_numpy_numbers_are_numbers() -> None:
+    async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
+        d = router.decide(MSG, ttft_target=np.float32(0.5), max_tokens=np.int64(7))  # type: ignore[arg-type]
+        assert d.ttft_target_s == 0.5
+        assert d.output_tokens >= 0
+        doc = await router.chat(MSG, max_tokens=np.int32(5), timeout_s=np.float64(10.0))
+        assert doc["choices"]
+
+
 async def test_an_infinite_ttft_target_means_no_target() -> None:
     async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
         d = router.decide(MSG, ttft_target=math.inf)
@@ -438,13 +448,15 @@ async def test_an_infinite_ttft_target_means_no_target() -> None:
         ({"timeout_s": True}, "timeout_s"),
         ({"timeout_s": "5"}, "timeout_s"),
         ({"stream_options": 5}, "stream_options"),
+        ({"stop": {"a", "set"}}, "not JSON"),
     ],
 )
 async def test_nonsense_request_arguments_are_refused(kwargs: dict[str, Any], field: str) -> None:
     async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
         with pytest.raises(RequestError, match=field) as ei:
             await router.chat(MSG, **kwargs)
-        assert repr(next(iter(kwargs.values())))[:20] in str(ei.value)
+        value = next(iter(kwargs.values()))
+        assert (type(value).__name__ if field == "not JSON" else repr(value)[:20]) in str(ei.value)
         assert eng.seen == []
         assert_off_the_books(router)
     if field == "max_tokens":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 import reprlib
 import statistics
 import time
@@ -99,7 +100,7 @@ def _check_target(value: object) -> float | None:
     """``ttft_target``: seconds > 0 (``inf``: no target), or ``None`` for the rule's."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RequestError(f"ttft_target must be a number of seconds > 0 (got {_short(value)})")
     target = float(value)
     if not target > 0:  # NaN fails this too
@@ -110,23 +111,22 @@ def _check_target(value: object) -> float | None:
 def _check_max_tokens(name: str, value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_TOKENS_LIMIT:
+    # numpy integers count too (numbers.Integral); bools do not.
+    n = 0 if isinstance(value, bool) or not isinstance(value, numbers.Integral) else int(value)
+    if not 1 <= n <= _MAX_TOKENS_LIMIT:
         raise RequestError(
             f"{name} must be an integer in [1, {_MAX_TOKENS_LIMIT}] (got {_short(value)})"
         )
-    return value
+    return n
 
 
 def _check_timeout(value: object) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
+    t = 0.0 if isinstance(value, bool) or not isinstance(value, numbers.Real) else float(value)
+    if not (math.isfinite(t) and t > 0):
         raise RequestError(f"timeout_s must be a finite number > 0 (got {_short(value)})")
-    return float(value)
+    return t
 
 
 class NoInstanceError(BearError, RuntimeError):
@@ -842,6 +842,10 @@ class AsyncRouter:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, Mapping):
             raise RequestError(f"stream_options must be an object (got {_short(options)})")
+        try:
+            orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as exc:  # caught here, not once per instance tried
+            raise RequestError(f"the request's parameters are not JSON: {exc}") from None
         text = _prompt_text(prompt)
         decision = self.decide(
             prompt, ttft_target=ttft_target, max_tokens=max_tokens or max_completion
@@ -917,7 +921,7 @@ class AsyncRouter:
                 with anyio.fail_after(head):
                     resp = await self._session.post(
                         cfg.url + path,
-                        data=orjson.dumps(body),
+                        data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                         headers={"Content-Type": "application/json", "X-Request-Id": d.request_id},
                         timeout=aiohttp.ClientTimeout(total=total),
                     )
