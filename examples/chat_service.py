@@ -6,7 +6,13 @@
 
 Clients talk to it as to one OpenAI server (``model`` is ignored: the router
 picks the instance). A request's TTFT target comes from the ``X-TTFT-Target``
-header (seconds) or a ``ttft_target`` body field, else the router's rule.
+header (seconds) or a ``ttft_target`` body field, else the router's rule; a
+``timeout_s`` body field (0.01 to 3600 s) is the caller's own deadline, which
+never counts against an instance. Bodies are untrusted: the known OpenAI and
+vLLM sampling fields are checked and passed to the engine; an unknown field or
+a wrong type is a 400 whose OpenAI-style error names it (``param``), bodies over
+8 MiB are a 413, and a connection that sends no complete request head within
+``--header-timeout`` seconds is closed.
 Responses carry ``X-Bear-Instance`` and ``X-Bear-Request-Id``; streams are
 passed through chunk by chunk. ``GET /router`` shows each instance's state and
 prediction error, ``GET /metrics`` the router's Prometheus metrics (with the
