@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 
 from bearsdk.bench import time_call
+from bearsdk.cli import positive_int
 
 __all__ = ["register"]
 
@@ -22,7 +23,7 @@ __all__ = ["register"]
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the ``estimators`` benchmark."""
     p = bsub.add_parser("estimators", help="latency estimators and batch-time calibration")
-    p.add_argument("--rounds", type=int, default=200, help="timing rounds (default 200)")
+    p.add_argument("--rounds", type=positive_int, default=200, help="timing rounds (default 200)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)
 

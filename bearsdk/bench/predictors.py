@@ -18,6 +18,7 @@ is CC BY-NC 4.0 (AlpacaEval, Li et al. 2023): evaluation only.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -28,6 +29,8 @@ import numpy as np
 import orjson
 
 from bearsdk.bench import Timing, time_call
+from bearsdk.cli import positive_int
+from bearsdk.errors import BearError
 
 __all__ = ["register"]
 
@@ -42,12 +45,16 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--models", type=int, default=8, help="pool size of the speed benchmark")
-    p.add_argument("--tokens", type=int, default=1000, help="prompt length (pre-tokenizer tokens)")
-    p.add_argument("--rounds", type=int, default=500, help="timing rounds (compiled)")
+    p.add_argument(
+        "--models", type=positive_int, default=8, help="pool size of the speed benchmark"
+    )
+    p.add_argument(
+        "--tokens", type=positive_int, default=1000, help="prompt length (pre-tokenizer tokens)"
+    )
+    p.add_argument("--rounds", type=positive_int, default=500, help="timing rounds (compiled)")
     p.add_argument("--alpaca-dir", default=None, help="AlpacaEval folder: also measure quality")
     p.add_argument("--pool", default="fusechat3", help="quality pool: a built-in name or 'all'")
-    p.add_argument("--folds", type=int, default=5)
+    p.add_argument("--folds", type=_folds, default=5)
     p.add_argument("--skip-speed", action="store_true", help="quality only")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=_run)
@@ -209,11 +216,20 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _folds(text: str) -> int:
+    n = positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2 (got {text!r})")
+    return n
+
+
 def _quality(args: argparse.Namespace) -> dict[str, Any]:
     from bearsdk.predictors.dataset import read_alpaca_eval
     from bearsdk.predictors.evaluate import cross_validate
     from bearsdk.predictors.pool import load_pool
 
+    if not os.path.isdir(args.alpaca_dir):
+        raise BearError(f"--alpaca-dir {args.alpaca_dir!r} is not a folder")
     pool = "all" if args.pool == "all" else load_pool(args.pool)
     data = read_alpaca_eval(args.alpaca_dir, pool)
     t0 = time.perf_counter()

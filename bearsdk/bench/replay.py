@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from bearsdk.bench import time_call
+from bearsdk.cli import positive_int
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.replay import implementations
 from bearsdk.schedulers import compile_policy
@@ -275,6 +276,6 @@ def _main(args: argparse.Namespace) -> int:
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bsub.add_parser("replay", help="per-estimate latency of the BEA replay (S1-S4)")
     p.add_argument("--impl", choices=("cython", "python"), help="only this implementation")
-    p.add_argument("--rounds", type=int, default=200, help="timing rounds per scenario")
+    p.add_argument("--rounds", type=positive_int, default=200, help="timing rounds per scenario")
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)

@@ -60,6 +60,7 @@ from typing import Any, Final
 import anyio
 import attrs
 
+from bearsdk.cli import nonnegative_float, positive_float, positive_int
 from bearsdk.emulator.text import Tokenizer
 from bearsdk.evaluation import RequestResult, RunSummary, drive_workload, summarize
 
@@ -570,8 +571,8 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         f"every simulated one; known: {','.join(MODES)},single-pod)",
     )
     p.add_argument("--sim", action="store_true", help="virtual time (simulated engines and bus)")
-    p.add_argument("--replicas", type=int, default=4, help="routers in the replica setups")
-    p.add_argument("--rate", type=float, default=32.0, help="arrival rate, requests/s")
+    p.add_argument("--replicas", type=positive_int, default=4, help="routers in the replica setups")
+    p.add_argument("--rate", type=positive_float, default=32.0, help="arrival rate, requests/s")
     p.add_argument(
         "--seeds",
         type=_numbers(int, "--seeds"),
@@ -579,11 +580,13 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         help="workload and engine seeds, comma-separated (medians over them)",
     )
     p.add_argument(
-        "--slowdown", type=float, default=3.0, help="emulated GPUs this many times slower"
+        "--slowdown", type=positive_float, default=3.0, help="emulated GPUs this many times slower"
     )
-    p.add_argument("--lam", type=float, default=5e-4, help="cost weight (default 5e-4)")
+    p.add_argument("--lam", type=nonnegative_float, default=5e-4, help="cost weight (default 5e-4)")
     emu = p.add_argument_group("emulator runs")
-    emu.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    emu.add_argument(
+        "--duration", type=positive_float, default=20.0, help="seconds of arrivals per run"
+    )
     emu.add_argument(
         "--snapshots",
         choices=("push", "poll"),
@@ -591,13 +594,16 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         help="how routers (or the bridge) follow the engines (default push: every step)",
     )
     emu.add_argument(
-        "--poll-interval", type=float, default=0.1, help="seconds between polls (--snapshots poll)"
+        "--poll-interval",
+        type=positive_float,
+        default=0.1,
+        help="seconds between polls (--snapshots poll)",
     )
     emu.add_argument(
         "--redis", default=None, help="an existing server's URL (default: start redis-server)"
     )
     sim = p.add_argument_group("--sim runs")
-    sim.add_argument("--requests", type=int, default=1000, help="requests per run")
+    sim.add_argument("--requests", type=positive_int, default=1000, help="requests per run")
     sim.add_argument(
         "--snapshot-delay",
         type=_numbers(float, "--snapshot-delay"),
@@ -606,7 +612,7 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     )
     sim.add_argument(
         "--bus-latency",
-        type=float,
+        type=nonnegative_float,
         default=0.001,
         help="delay of dispatch events between replicas, seconds (default 0.001)",
     )

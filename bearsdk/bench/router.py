@@ -27,6 +27,8 @@ import orjson
 from aiohttp import web
 
 from bearsdk.bench import time_call
+from bearsdk.cli import positive_float, positive_int
+from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
 from bearsdk.router import AsyncRouter, InstanceConfig
 from bearsdk.selectors import BEAR
@@ -159,7 +161,17 @@ async def _stub_engine(task_status: Any) -> None:
 
 
 async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
-    """Added time-to-first-chunk and time-to-last-chunk of routing a stream."""
+    """Added time-to-first-chunk and time-to-last-chunk of routing a stream.
+
+    Raises:
+        BearError: ``rate * seconds`` is under 2 requests: one path would get none.
+    """
+    n = int(rate * seconds) if rate > 0 and seconds > 0 else 0
+    if n < 2:
+        raise BearError(
+            f"the proxy test needs at least 2 requests, one per path: --rate {rate:g} x "
+            f"--seconds {seconds:g} gives {n}"
+        )
     messages = [{"role": "user", "content": PROMPT}]
     body = {"messages": messages, "stream": True, "max_tokens": 8}
     direct: dict[str, list[float]] = {"first": [], "last": []}
@@ -195,7 +207,6 @@ async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
                     direct["first"].append(first or 0.0)
                     direct["last"].append(time.perf_counter() - t0)
 
-                n = int(rate * seconds)
                 start = time.perf_counter()
                 async with anyio.create_task_group() as load:
                     for i in range(n):
@@ -259,9 +270,13 @@ def _main(args: argparse.Namespace) -> int:
 
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bsub.add_parser("router", help="route() decision latency and proxy overhead")
-    p.add_argument("--rounds", type=int, default=200, help="timing rounds for decisions")
-    p.add_argument("--rate", type=float, default=200.0, help="requests/s for the proxy test")
-    p.add_argument("--seconds", type=float, default=10.0, help="duration of the proxy test")
+    p.add_argument("--rounds", type=positive_int, default=200, help="timing rounds for decisions")
+    p.add_argument(
+        "--rate", type=positive_float, default=200.0, help="requests/s for the proxy test"
+    )
+    p.add_argument(
+        "--seconds", type=positive_float, default=10.0, help="duration of the proxy test"
+    )
     p.add_argument("--skip-proxy", action="store_true", help="decision latency only")
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)

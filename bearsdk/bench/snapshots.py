@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from bearsdk.bench import time_call
+from bearsdk.cli import nonnegative_float, positive_float, positive_int
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator
 from bearsdk.estimators.length import RememberedLengths
@@ -330,12 +331,20 @@ def _main(args: argparse.Namespace) -> int:
 
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bsub.add_parser("snapshots", help="snapshot decode + cache update cost; shm stress test")
-    p.add_argument("--rounds", type=int, default=200, help="timing rounds")
-    p.add_argument("--requests", type=int, default=64, help="resident requests per snapshot")
+    p.add_argument("--rounds", type=positive_int, default=200, help="timing rounds")
     p.add_argument(
-        "--stress", type=float, default=0.0, metavar="SECONDS", help="also run the shm stress test"
+        "--requests", type=positive_int, default=64, help="resident requests per snapshot"
     )
-    p.add_argument("--rate", type=float, default=10_000.0, help="stress writer snapshots/s")
+    p.add_argument(
+        "--stress",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also run the shm stress test",
+    )
+    p.add_argument(
+        "--rate", type=positive_float, default=10_000.0, help="stress writer snapshots/s"
+    )
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)
 

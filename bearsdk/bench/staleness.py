@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import orjson
 
+from bearsdk.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator
 from bearsdk.estimators.length import MeanLengthPredictor
@@ -325,14 +326,25 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _share(text: str) -> float:
+    v = nonnegative_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1] (got {text!r})")
+    return v
+
+
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bsub.add_parser("staleness", help="BEA TTFT MAPE under snapshot delay, with overlay/FF")
-    p.add_argument("--requests", type=int, default=1500, help="arrivals (all clients)")
-    p.add_argument("--rate", type=float, default=12.0, help="arrivals per second")
-    p.add_argument("--foreign-share", type=float, default=0.25, help="share from other clients")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--requests", type=positive_int, default=1500, help="arrivals (all clients)")
+    p.add_argument("--rate", type=positive_float, default=12.0, help="arrivals per second")
+    p.add_argument("--foreign-share", type=_share, default=0.25, help="share from other clients")
+    p.add_argument("--seed", type=nonnegative_int, default=1)
     p.add_argument(
-        "--delays", type=int, nargs="+", default=list(DELAYS_MS), help="snapshot delays, ms"
+        "--delays",
+        type=nonnegative_int,
+        nargs="+",
+        default=list(DELAYS_MS),
+        help="snapshot delays, ms",
     )
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)

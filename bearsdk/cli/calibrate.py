@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from bearsdk.cli import positive_float, writable_file
 from bearsdk.errors import BearError
 
 __all__ = ["register"]
@@ -64,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--huber-delta",
-        type=float,
+        type=positive_float,
         default=0.05,
         help="relative residual beyond which a batch is an outlier",
     )
@@ -75,6 +76,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _run(args: argparse.Namespace) -> int:
     if args.plot and not args.batches:
         raise BearError("--plot needs --batches")
+    # Outputs are checked before any work, so that a typo costs no fit.
+    if args.plot:
+        writable_file(args.plot, "--plot")
+    if args.derive_profiles:
+        writable_file(args.derive_profiles, "--derive-profiles")
     if args.batches:
         return _fit_batches(args)
     if args.vidur_dense is not None:

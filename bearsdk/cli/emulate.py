@@ -15,6 +15,7 @@ import sys
 
 import anyio
 
+from bearsdk.cli import nonnegative_int, positive_float, scheduler_arg
 from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, get_profile, profile_names
 from bearsdk.emulator.timing import GroundTruthParams
 from bearsdk.errors import BearError
@@ -44,14 +45,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--list-profiles", action="store_true", help="list the profiles and exit")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8001, help="port of the first engine (0: any)")
-    p.add_argument("--scheduler", default="vllm-v1", help="registered scheduler policy")
+    p.add_argument(
+        "--port", type=nonnegative_int, default=8001, help="port of the first engine (0: any)"
+    )
+    p.add_argument(
+        "--scheduler",
+        type=scheduler_arg,
+        default="vllm-v1",
+        help="registered scheduler policy, or a policy spec file (.toml)",
+    )
     p.add_argument(
         "--param", action="append", default=[], metavar="K=V", help="policy parameter override"
     )
     p.add_argument("--instance", help="instance name (one engine only; default <profile>-<i>)")
     p.add_argument("--served-model-name", help="model name in the API (one engine only)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first engine")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the first engine")
     p.add_argument(
         "--publish-output-len",
         action="store_true",
@@ -60,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-noise", action="store_true", help="deterministic batch times")
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="multiply batch durations (0.5: run twice as fast as the modelled GPU)",
     )
@@ -116,7 +124,7 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     return out
 
 
-async def _serve(configs: list[EngineConfig]) -> None:
+async def _serve(configs: list[EngineConfig]) -> int:
     async with EnginePool(configs) as pool:
         # A long-lived server: keep the start-up objects out of every full collection
         # (a full pass over them stalls the loop for 10-20 ms).
@@ -126,8 +134,10 @@ async def _serve(configs: list[EngineConfig]) -> None:
             _describe(e)
         print("press Ctrl-C to stop", flush=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
+            async for signum in signals:
+                # SIGTERM is the orderly stop of a service; Ctrl-C is an interruption.
+                return 130 if signum == signal.SIGINT else 0
+    return 0
 
 
 def _describe(e: EmulatedEngine) -> None:
@@ -147,11 +157,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name:20s} {prof.model:40s} {prof.description}")
         return 0
     configs = _configs(args)
-    try:
-        anyio.run(_serve, configs)
-    except OSError as exc:
-        print(f"bearsdk emulate: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        pass
-    return 0
+    # The engines are closed (sockets, tasks) before this returns; an OSError here (a
+    # port in use) becomes `bearsdk emulate: error: ...` in bearsdk.cli.main.
+    status: int = anyio.run(_serve, configs)
+    if status == 130:
+        print("bearsdk emulate: interrupted", file=sys.stderr, flush=True)
+    return status

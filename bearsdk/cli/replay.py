@@ -2,7 +2,8 @@
 
 Batch mode reads one case per JSONL line and writes one result per line, in
 order; a bad line yields ``{"case_id": ..., "error": "line N: ..."}`` and the run
-goes on. Single mode replays one snapshot file and can print the batches.
+goes on, and the exit status is then 2. Single mode replays one snapshot file and
+can print the batches.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import IO, Any
 
 import orjson
 
+from bearsdk.cli import positive_int, scheduler_arg
 from bearsdk.errors import BearError
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
@@ -35,27 +37,39 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "replay",
         help="replay batch formation from a snapshot up to a new request's first token",
-        description="Predict the batch in which a new request gets its first token, and its TTFT.",
+        description=(
+            "Predict the batch in which a new request gets its first token, and its TTFT. "
+            "With --cases, every line gets a result line in order; a bad line's result is "
+            "an error naming the line (and the case id when it has one), the other lines "
+            "still run, and the exit status is 2 when any line had an error (0 otherwise)."
+        ),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--cases", metavar="FILE.jsonl", help="batch mode: one case per line ('-': stdin)"
     )
     src.add_argument("--snapshot", metavar="FILE", help="single mode: a bear.snapshot/1 JSON file")
-    p.add_argument("--scheduler", default="vllm-v1", help="registered policy (single mode)")
+    p.add_argument(
+        "--scheduler",
+        type=scheduler_arg,
+        default="vllm-v1",
+        help="registered policy, or a policy spec file (.toml) (single mode)",
+    )
     p.add_argument(
         "--param", action="append", default=[], metavar="K=V", help="policy parameter override"
     )
-    p.add_argument("--prompt-tokens", type=int, help="new request's prompt length (single mode)")
     p.add_argument(
-        "--output-len", type=int, help="new request's output length (default: predicted)"
+        "--prompt-tokens", type=positive_int, help="new request's prompt length (single mode)"
+    )
+    p.add_argument(
+        "--output-len", type=positive_int, help="new request's output length (default: predicted)"
     )
     p.add_argument(
         "--batch-time", metavar="B0,B1,B2,B3", help="eq. 12 coefficients in seconds (single mode)"
     )
     p.add_argument(
         "--mean-output-len",
-        type=int,
+        type=positive_int,
         default=256,
         help="predicted length of requests without output_len",
     )
@@ -178,16 +192,20 @@ def _run_cases(args: argparse.Namespace) -> int:
         except (BearError, ValueError) as exc:
             bad += 1
             res = {"case_id": case_id, "error": f"line {lineno}: {exc}"}
+        # A case without an id is known by its line, never as "None".
+        label = f"line {lineno}" if res["case_id"] is None else str(res["case_id"])
         if args.json:
             out.write(orjson.dumps(res) + b"\n")
         elif "error" in res:
-            out.write(f"{res['case_id']}\tERROR\t{res['error']}\n".encode())
+            out.write(f"{label}\tERROR\t{res['error']}\n".encode())
         else:
             ttft = "-" if res["ttft_s"] is None else f"{res['ttft_s'] * 1000:.3f} ms"
-            out.write(f"{res['case_id']}\tbatch {res['first_token_batch']}\t{ttft}\n".encode())
-    out.flush()
+            out.write(f"{label}\tbatch {res['first_token_batch']}\t{ttft}\n".encode())
+        # Results stream: a reader of a pipe (or Ctrl-C) keeps every finished line.
+        out.flush()
     if bad:
-        print(f"bearsdk replay: {bad} of {n} lines had errors", file=sys.stderr)
+        print(f"bearsdk replay: error: {bad} of {n} lines had errors", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -214,7 +232,12 @@ def _run_single(args: argparse.Namespace) -> int:
         f"({snap.num_running} running, {snap.num_waiting} waiting)"
     )
     if res.first_token_batch:
-        ttft = f", TTFT {res.ttft_s * 1000:.3f} ms" if coeffs is not None else ""
+        ttft = ""
+        if coeffs is not None:
+            ttft = (
+                f", TTFT {res.ttft_s * 1000:.3f} ms (including {res.inflight_s * 1000:.3f} ms "
+                "left of the batch in flight at the snapshot)"
+            )
         print(f"first token in batch {res.first_token_batch}{ttft}")
     else:
         print(f"no first token: {res.stop_reason}")
@@ -235,6 +258,7 @@ def _result_dict(res: TTFTEstimate, timed: bool, batches: bool) -> dict[str, Any
     d: dict[str, Any] = {
         "first_token_batch": res.first_token_batch,
         "ttft_s": res.ttft_s if timed and math.isfinite(res.ttft_s) else None,
+        "inflight_s": res.inflight_s if timed else None,
         "stop_reason": str(res.stop_reason),
     }
     if batches and res.batches is not None:

@@ -15,13 +15,21 @@ worker processes (results do not depend on their number).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
 
-__all__ = ["register"]
+from bearsdk.cli import positive_int, writable_dir, writable_file
+
+if TYPE_CHECKING:
+    from bearsdk.sim.sweep import SimReport
+
+__all__ = ["format_runs", "register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -34,8 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--config", required=True, metavar="FILE.toml", help="simulation config")
     p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
     p.add_argument("--plots", metavar="DIR", help="write the paper's figures (PNG) into DIR")
-    p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
-    p.add_argument("--requests", type=int, default=None, help="override requests per run")
+    p.add_argument(
+        "--workers", type=positive_int, default=None, help="processes (default: one per CPU)"
+    )
+    p.add_argument("--requests", type=positive_int, default=None, help="override requests per run")
     p.add_argument(
         "--seeds", default=None, metavar="S1,S2", help="override the seeds (comma-separated)"
     )
@@ -74,12 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _run(args: argparse.Namespace) -> int:
     from bearsdk.sim.config import SimConfigError, load_config
     from bearsdk.sim.plots import write_plots
-    from bearsdk.sim.sweep import Progress, format_summary, run_config
+    from bearsdk.sim.sweep import Progress, SimInterrupted, run_config
 
     cfg = load_config(args.config)
     if args.requests is not None:
-        if args.requests < 1:
-            raise SimConfigError(f"--requests must be >= 1 (got {args.requests})")
         cfg = attrs.evolve(cfg, requests=args.requests)
     if args.seeds is not None:
         try:
@@ -112,30 +120,76 @@ def _run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(
             cfg, workload=attrs.evolve(cfg.workload, data_dir=str(Path(args.data_dir).resolve()))
         )
-    if args.workers is not None and args.workers < 1:
-        raise SimConfigError(f"--workers must be >= 1 (got {args.workers})")
     if args.plots:
         # Fail before hours of simulation, not after.
         from bearsdk.sim.plots import _pyplot
 
         _pyplot()
+        writable_dir(args.plots, "--plots")
+    if args.out:
+        writable_file(args.out, "--out")
     progress = None if args.no_progress else (lambda n: Progress(n))
-    report = run_config(cfg, workers=args.workers, progress=progress)
-    doc = report.as_dict()
+    try:
+        report = run_config(cfg, workers=args.workers, progress=progress)
+    except SimInterrupted as stop:
+        # Runs that finished are kept, where the whole result would have gone.
+        done = len(stop.partial.results)
+        if done:
+            _emit(args, stop.partial, {"interrupted": True, "scenarios": stop.total})
+        where = f" (in {args.out})" if args.out and done else ""
+        raise KeyboardInterrupt(f"{done} of {stop.total} runs had finished{where}") from None
+    _emit(args, report, {})
+    if args.plots:
+        for path in write_plots(cfg, report.results, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _emit(args: argparse.Namespace, report: SimReport, extra: dict[str, Any]) -> None:
+    from bearsdk.sim.sweep import format_summary
+
+    doc = {**report.as_dict(), **extra}
     text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode()
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     if args.json:
         sys.stdout.write(text + "\n")
+        return
+    cfg = report.config
+    print(
+        f"{cfg.name}: {len(report.results)} results ({cfg.requests} requests each, "
+        f"seeds {', '.join(map(str, cfg.seeds))}) in {report.wall_s:.1f} s "
+        f"on {report.workers} worker(s) (inputs {report.prepare_s:.1f} s)"
+    )
+    summary = format_summary(doc["summary"])
+    # A configuration without baselines to beat (one instance, estimators compared)
+    # has no summary: its comparison is the runs themselves.
+    if summary and not extra:
+        print(summary)
     else:
-        print(
-            f"{cfg.name}: {len(report.results)} results ({cfg.requests} requests each, "
-            f"seeds {', '.join(map(str, cfg.seeds))}) in {report.wall_s:.1f} s "
-            f"on {report.workers} worker(s) (inputs {report.prepare_s:.1f} s)"
+        print(format_runs(doc["results"]))
+
+
+def format_runs(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line per run: the policy's utility, SLO attainment, TTFT and its prediction error.
+
+    Args:
+        rows: The ``results`` of a report's JSON form.
+
+    Returns:
+        The table, runs in the report's order.
+    """
+    lines = [
+        f"{'sweep':<10} {'rate':>5} {'stale ms':>8} {'policy':<28} {'OnTimeUtil':>10} "
+        f"{'SLO':>6} {'mean TTFT ms':>12} {'p90 TTFT ms':>11} {'TTFT MAPE':>9}"
+    ]
+    for r in rows:
+        mape = (r.get("ttft_mape") or {}).get("all")
+        mape_s = "-" if mape is None or not math.isfinite(mape) else f"{mape * 100:.1f}%"
+        lines.append(
+            f"{r['sweep']:<10} {r['rate']:>5g} {r['staleness_ms']:>8g} {r['policy']:<28} "
+            f"{r['on_time_utility']:>10.4f} {r['slo_attainment']:>6.1%} "
+            f"{r['mean_ttft_s'] * 1e3:>12.2f} {r['p90_ttft_s'] * 1e3:>11.2f} {mape_s:>9}"
         )
-        print(format_summary(doc["summary"]))
-    if args.plots:
-        for path in write_plots(cfg, report.results, args.plots):
-            print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return "\n".join(lines)

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from bearsdk.cli import nonnegative_int, positive_float, positive_int, writable_dir
 from bearsdk.predictors.errors import PredictorError
 
 __all__ = ["register"]
@@ -37,6 +38,13 @@ def _quantiles(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected levels like 0.5,0.9 or 'none', got {text!r}"
         ) from None
+
+
+def _leaves(text: str) -> int:
+    n = positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2 (got {text!r})")
+    return n
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -67,17 +75,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="folder holding vidur_traces/ and azure_llm_2023/ (--synthetic; "
         "default: $BEARSDK_DATA, see docs/data.md)",
     )
-    p.add_argument("--prompts-per-task", type=int, default=600, help="synthetic prompts per task")
-    p.add_argument("--n-estimators", type=int, default=None, help="boosting rounds per head")
-    p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--num-leaves", type=int, default=None)
+    p.add_argument(
+        "--prompts-per-task", type=positive_int, default=600, help="synthetic prompts per task"
+    )
+    p.add_argument(
+        "--n-estimators", type=positive_int, default=None, help="boosting rounds per head"
+    )
+    p.add_argument("--learning-rate", type=positive_float, default=None)
+    p.add_argument("--num-leaves", type=_leaves, default=None)
     p.add_argument(
         "--quantiles",
         type=_quantiles,
         default=None,
         help="length quantile heads, e.g. 0.5,0.9 or none",
     )
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=nonnegative_int, default=None)
     p.add_argument(
         "--no-relative",
         action="store_true",
@@ -116,6 +128,10 @@ def _run(args: argparse.Namespace) -> int:
     from bearsdk.predictors.serialize import FILE_NAME
     from bearsdk.predictors.training import TrainConfig, train_predictor
 
+    out = Path(args.out)
+    target = out if out.suffix == ".bearpred" else out / FILE_NAME
+    # Before the training, not after it.
+    writable_dir(str(target.parent), "--out")
     data, kind = _load(args)
     overrides: dict[str, Any] = {
         k: v
@@ -139,8 +155,6 @@ def _run(args: argparse.Namespace) -> int:
     if kind == "alpaca_eval":
         info["license"] = "derived from AlpacaEval data (CC BY-NC 4.0): non-commercial use only"
     pred = train_predictor(data, config, info=info)  # type: ignore[arg-type]
-    out = Path(args.out)
-    target = out if out.suffix == ".bearpred" else out / FILE_NAME
     written = pred.save(target)
     summary = {
         "file": str(written),

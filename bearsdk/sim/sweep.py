@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,6 +43,7 @@ from bearsdk.state import StalenessPolicy
 __all__ = [
     "Inputs",
     "Progress",
+    "SimInterrupted",
     "SimReport",
     "format_summary",
     "load_predictor",
@@ -220,7 +223,26 @@ def prepare_inputs(cfg: SimConfig, seed: int, predictor: Predictor) -> Inputs:
 _SHARED: dict[str, Any] = {}
 
 
-def _init_worker(shared: dict[str, Any]) -> None:
+class SimInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_config`; carries the runs that had finished.
+
+    Attributes:
+        partial: The report of the finished scenarios (in scenario order; the others
+            are left out).
+        total: How many scenarios the configuration has.
+    """
+
+    def __init__(self, partial: SimReport, total: int) -> None:
+        super().__init__()
+        self.partial = partial
+        self.total = total
+
+
+def _init_worker(shared: dict[str, Any], quiet_sigint: bool = False) -> None:
+    if quiet_sigint:
+        # Ctrl-C reaches the whole process group: the parent ends the pool (SIGTERM),
+        # a worker must neither die on its own nor print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _SHARED.clear()
     _SHARED.update(shared)
 
@@ -307,6 +329,9 @@ def run_config(
 
     Returns:
         The results, in scenario order.
+
+    Raises:
+        SimInterrupted: Ctrl-C; it holds the runs that had finished.
     """
     t0 = time.perf_counter()
     pred = predictor if predictor is not None else load_predictor(cfg)
@@ -331,25 +356,42 @@ def run_config(
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = progress(len(tasks)) if progress is not None else None
     done: dict[int, RunResult] = {}
-    if n_workers == 1:
-        _init_worker(shared)
-        for t in tasks:
-            i, r = _run_one(t)
-            done[i] = r
-            if bar is not None:
-                bar.advance(r.scenario.policy.display)
-    else:
-        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ctx.Pool(n_workers, initializer=_init_worker, initargs=(shared,)) as procs:
-            for i, r in procs.imap_unordered(_run_one, tasks, chunksize=1):
+
+    def report() -> SimReport:
+        results = []
+        for sc in scenarios:
+            r = done.get(unique[_canonical(sc)])
+            if r is not None:
+                results.append(attrs.evolve(r, scenario=sc))
+        return SimReport(cfg, tuple(results), prep, time.perf_counter() - t0, n_workers, cals)
+
+    try:
+        if n_workers == 1:
+            _init_worker(shared)
+            for t in tasks:
+                i, r = _run_one(t)
                 done[i] = r
                 if bar is not None:
                     bar.advance(r.scenario.policy.display)
-    results = []
-    for sc in scenarios:
-        r = done[unique[_canonical(sc)]]
-        results.append(attrs.evolve(r, scenario=sc))
-    return SimReport(cfg, tuple(results), prep, time.perf_counter() - t0, n_workers, cals)
+        else:
+            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            # Workers start with Ctrl-C ignored (no window before their initializer runs);
+            # leaving the block on Ctrl-C terminates them at once.
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            try:
+                procs = ctx.Pool(n_workers, initializer=_init_worker, initargs=(shared, True))
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+            with procs:
+                for i, r in procs.imap_unordered(_run_one, tasks, chunksize=1):
+                    done[i] = r
+                    if bar is not None:
+                        bar.advance(r.scenario.policy.display)
+    except KeyboardInterrupt:
+        raise SimInterrupted(report(), len(scenarios)) from None
+    return report()
 
 
 # -- summary --------------------------------------------------------------------------
