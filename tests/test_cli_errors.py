@@ -16,11 +16,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = (SPECS / "vllm-v1.toml").read_text().replace('name = "vllm-v1"', 'name = "mine"')
     (d / "mine.toml").write_text(spec)
     (d / "bad.toml").write_text("[simulation\n")
+    (d / "latin1.toml").write_bytes(b"[simulation]\nname = 'caf\xe9'\n")
     (d / "batches.jsonl").write_text(
         "".join(
             json.dumps(
@@ -180,6 +182,7 @@ ERROR_CASES: list[tuple[str, list[str], str]] = [
     # simulate
     ("simulate-missing-config", ["simulate", "--config", "{d}/nope.toml"], "nope.toml"),
     ("simulate-bad-config", ["simulate", "--config", "{d}/bad.toml"], "bad.toml"),
+    ("simulate-config-not-utf8", ["simulate", "--config", "{d}/latin1.toml"], "not UTF-8"),
     (
         "simulate-requests-0",
         ["simulate", "--config", "{d}/tiny.toml", "--requests", "0"],
@@ -205,9 +208,12 @@ ERROR_CASES: list[tuple[str, list[str], str]] = [
     ("emulate-time-scale-0", ["emulate", "--time-scale", "0"], "--time-scale"),
     ("emulate-port-negative", ["emulate", "--port", "-1"], "--port"),
     ("emulate-unknown-profile", ["emulate", "--profile", "nope"], "nope"),
+    ("emulate-port-in-use", ["emulate", "--port", "{port}"], "in use"),
     # calibrate
     ("calibrate-missing-batches", ["calibrate", "--batches", "{d}/nope.jsonl"], "nope.jsonl"),
     ("calibrate-missing-csv", ["calibrate", "--vidur-dense", "{d}/nope.csv"], "nope.csv"),
+    ("calibrate-not-a-vidur-csv", ["calibrate", "--vidur-dense", "{d}/good.jsonl"], "Vidur"),
+    ("calibrate-batches-not-utf8", ["calibrate", "--batches", "{d}/latin1.toml"], "not UTF-8"),
     (
         "calibrate-huber-delta-0",
         ["calibrate", "--batches", "{d}/batches.jsonl", "--huber-delta", "0"],
@@ -268,8 +274,8 @@ ERROR_CASES: list[tuple[str, list[str], str]] = [
 _DEMO_H5A = {"demo-duration-0", "demo-plot-unwritable"}
 
 
-def _run_error_case(argv: list[str], d: Path) -> subprocess.CompletedProcess[str]:
-    args = [a.replace("{d}", str(d)) for a in argv]
+def _run_error_case(argv: list[str], d: Path, port: int = 0) -> subprocess.CompletedProcess[str]:
+    args = [a.replace("{d}", str(d)).replace("{port}", str(port)) for a in argv]
     return subprocess.run(
         _bearsdk(*args),
         capture_output=True,
@@ -282,8 +288,16 @@ def _run_error_case(argv: list[str], d: Path) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
 def error_results(
-    files: Path, request: pytest.FixtureRequest
+    files: Path, busy_port: int, request: pytest.FixtureRequest
 ) -> dict[str, subprocess.CompletedProcess[str]]:
     # Only the cases this session selected (`-k`), all at once.
     wanted = {
@@ -293,7 +307,7 @@ def error_results(
     }
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
-            cid: pool.submit(_run_error_case, argv, files)
+            cid: pool.submit(_run_error_case, argv, files, busy_port)
             for cid, argv, _ in ERROR_CASES
             if cid in wanted
         }

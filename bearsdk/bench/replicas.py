@@ -427,10 +427,10 @@ def _names(known: Sequence[str]) -> Callable[[str], list[str]]:
         for name in names:
             if name not in known:
                 raise argparse.ArgumentTypeError(
-                    f"--modes: {name!r} is not a setup (known: {', '.join(known)})"
+                    f"{name!r} is not a setup (known: {', '.join(known)})"
                 )
         if not names:
-            raise argparse.ArgumentTypeError("--modes: name at least one setup")
+            raise argparse.ArgumentTypeError("name at least one setup")
         return names
 
     return parse
@@ -442,10 +442,10 @@ def _numbers(kind: type[float] | type[int], what: str) -> Callable[[str], list[A
             out = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{what} must be comma-separated numbers (got {text!r})"
+                f"must be comma-separated numbers (got {text!r})"
             ) from None
         if not out or any(not math.isfinite(x) or x < 0 for x in out):
-            raise argparse.ArgumentTypeError(f"{what} must be numbers >= 0 (got {text!r})")
+            raise argparse.ArgumentTypeError(f"must be numbers >= 0 (got {text!r})")
         return out
 
     return parse

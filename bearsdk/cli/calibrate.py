@@ -105,6 +105,9 @@ def _fit_batches(args: argparse.Namespace) -> int:
         obs = read_batches(args.batches)
     except OSError as exc:
         raise BearError(f"cannot read {args.batches}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1]
+        raise BearError(f"{args.batches}: not UTF-8 text (byte {exc.start} is {bad!r})") from None
     if not obs:
         raise BearError(f"{args.batches}: no batches")
     fit = fit_batch_time(
@@ -194,6 +197,12 @@ def _vidur_dense(args: argparse.Namespace) -> int:
         rows = dense_mape_table(path)
     except ValueError as exc:
         raise BearError(str(exc)) from None
+    except KeyError as exc:  # a CSV, but not Vidur's: a column is missing
+        raise BearError(
+            f"{path}: not Vidur's mlp_linear_ops_median_ms.csv (no column {exc.args[0]!r})"
+        ) from None
+    if not rows:
+        raise BearError(f"{path}: no dense-cost rows (not Vidur's mlp_linear_ops_median_ms.csv?)")
     obj = {
         "rows": [
             {

@@ -546,6 +546,9 @@ def load_config(path: str | Path) -> SimConfig:
         doc = tomllib.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise SimConfigError(f"{p}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1]
+        raise SimConfigError(f"{p}: not UTF-8 text (byte {exc.start} is {bad!r})") from None
     except tomllib.TOMLDecodeError as exc:
         raise SimConfigError(f"{p}: not valid TOML ({exc})") from None
     return parse_config(doc, str(p))
