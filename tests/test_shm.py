@@ -283,3 +283,16 @@ def test_namespace_sanity() -> None:
     for m in shm_mod.implementations().values():
         ns = SimpleNamespace(OK=m.OK, BUSY=m.BUSY, TORN=m.TORN, TOO_LARGE=m.TOO_LARGE)
         assert ns == SimpleNamespace(OK=0, BUSY=1, TORN=2, TOO_LARGE=3)
+
+
+def test_a_huge_segment_is_refused_not_allocated(tmp_path: Path) -> None:
+    # A hostile or broken writer sizes the file: the reader's buffer must not follow it.
+    huge = tmp_path / "bear.huge"
+    with ShmWriter(huge, capacity=1024):
+        pass
+    with huge.open("r+b") as f:
+        f.truncate(shm_mod.HEADER_SIZE + (1 << 34))  # 16 GiB, sparse
+    with pytest.raises(ShmError, match=r"capacity must be <= 67108864 bytes \(got 17179869184\)"):
+        ShmReader(huge)
+    with pytest.raises(ValueError, match=r"capacity must be in \[1, 67108864\] bytes"):
+        ShmWriter(tmp_path / "bear.big", capacity=1 << 30)

@@ -57,6 +57,7 @@ __all__ = [
     "HEADER_SIZE",
     "IMPLEMENTATION",
     "MAGIC",
+    "MAX_CAPACITY",
     "ReadResult",
     "ShmError",
     "ShmReader",
@@ -70,6 +71,8 @@ __all__ = [
 MAGIC: Final = b"BEARSNP1"
 VERSION: Final = 1
 HEADER_SIZE: Final = 64
+MAX_CAPACITY: Final = 64 << 20
+"""Largest segment capacity a reader maps (its read buffer is that large)."""
 _HEAD = struct.Struct("=8sII")  # magic, version, header size
 _OFF_CAPACITY: Final = 32
 _OFF_OVERSIZE: Final = 40
@@ -214,7 +217,8 @@ class ShmWriter:
     Args:
         path: The segment file (see :func:`segment_path`), or a bare segment
             name (see :func:`resolve_segment`).
-        capacity: Largest payload in bytes.
+        capacity: Largest payload in bytes (at most :data:`MAX_CAPACITY`, which
+            readers refuse to exceed).
         implementation: ``"cython"`` or ``"python"`` (default: the loaded one).
     """
 
@@ -225,8 +229,8 @@ class ShmWriter:
         *,
         implementation: str | None = None,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1 byte (got {capacity!r})")
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be in [1, {MAX_CAPACITY}] bytes (got {capacity!r})")
         self.path = resolve_segment(path)
         self._impl = _impl(implementation)
         self.oversize = 0
@@ -327,6 +331,13 @@ class ShmReader:
             size = os.fstat(fd).st_size
             if size < HEADER_SIZE:
                 raise ShmError(f"{self.path}: {size} bytes is too small for a segment header")
+            if size - HEADER_SIZE > MAX_CAPACITY:
+                # The reader allocates a buffer of the capacity: a segment of any
+                # size would make it allocate any amount.
+                raise ShmError(
+                    f"{self.path}: capacity must be <= {MAX_CAPACITY} bytes "
+                    f"(got {size - HEADER_SIZE})"
+                )
             m = _Mapping(self.path, fd, size, writable=False)
         except BaseException:
             os.close(fd)
