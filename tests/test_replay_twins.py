@@ -10,11 +10,15 @@ spec (sync and async), and all three must form the same batches.
 
 from __future__ import annotations
 
+import gzip
 import itertools
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle.compare import Tally, compare
 
 from bearsdk.replay import ReplayResult, implementations
 from bearsdk.schedulers import Policy, get_scheduler
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 COEFFS = (0.003, 2e-5, 5e-8, 1e-10)
+VLLM_CASES = Path(__file__).parent / "data" / "vllm_single_resident_cases.jsonl.gz"
 
 SPECS: list[tuple[str, dict[str, object]]] = [
     ("vllm-v1", {"async_scheduling": True}),
@@ -80,14 +85,42 @@ def test_single_resident_snapshots_agree(name: str, over: dict[str, object]) -> 
 
 
 @pytest.mark.parametrize("impl", sorted(implementations()))
-def test_a_request_with_everything_computed_is_not_served(impl: str) -> None:
-    # computed == prompt + outputs + placeholders: vLLM's scheduler computes
-    # num_new_tokens = 0 for it and skips it (it never finishes on its own).
-    pol = get_scheduler("vllm-v1").bind({"async_scheduling": False, "block_size": 1})
+@pytest.mark.parametrize(
+    ("async_", "row"), [(False, [0, 3, 6, 3, 10, 10, 0]), (True, [0, 3, 6, 2, 10, 10, 1])]
+)
+def test_a_request_with_everything_computed_is_not_served(
+    impl: str, async_: bool, row: list[int]
+) -> None:
+    # computed == prompt + outputs + placeholders. vLLM 0.33's scheduler, given
+    # this state (r0 decoding, num_computed_tokens bumped by one, r1 with a
+    # 5-token prompt added), schedules {r1: 5}, {r1: 1}: num_new_tokens is 0 for
+    # r0, which is skipped. The twin did that; the compiled loop served r0 as a
+    # decode (num_seqs 2, decode_tokens 1 in the first batch).
+    params = {
+        "async_scheduling": async_,
+        "block_size": 4,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 4,
+        "max_model_len": 64,
+    }
+    pol = get_scheduler("vllm-v1").bind(params).with_kv(4, 64)
     rp = implementations()[impl](pol)
-    table = np.array([[0, 1, 2, 1, -1, 4, 0]], dtype=np.int64)
-    res = rp.replay(rp.prepare(table), 3, 2, COEFFS, record=True)
+    res = rp.replay(rp.prepare(np.array([row], dtype=np.int64)), 5, 2, COEFFS, record=True)
     assert res.first_token_batch == 1
     assert res.batches is not None
     first = res.batches[0]
-    assert (first.num_seqs, first.decode_tokens, first.prefill_tokens) == (1, 0, 3)
+    assert (first.num_seqs, first.prefill_tokens, first.decode_tokens) == (1, 5, 0)
+
+
+def test_real_vllm_single_resident_snapshots(impl: str) -> None:
+    # 1784 snapshots vLLM itself produced (tests/oracle/gen_single_resident.py):
+    # both twins match vLLM's batches on every one, sync and async.
+    with gzip.open(VLLM_CASES, "rt") as f:
+        cases = [json.loads(line) for line in f]
+    assert len(cases) == 1784
+    tally: dict[str, Tally] = {}
+    for c in cases:
+        compare(c, c["vllm_batches"], [impl], tally)
+    t = tally[impl]
+    assert t.failures == []
+    assert t.first_token_exact == t.batches_exact == len(cases)
