@@ -104,6 +104,10 @@ cdef int64_t NEVER_SCHEDULED = -((<int64_t>1) << 40)
 # boundary (check_table, check_tokens): sums of a few of them stay far from
 # int64 overflow, so the loop's arithmetic never wraps.
 MIN_ANY = -_MAX_TOKENS_PY
+# Column order and running state of bearsdk.snapshot (table_in_range reads
+# columns by position; a module-level check keeps them in step).
+assert (COL_STATE, COL_PROMPT, COL_COMPUTED, COL_OUTPUT, COL_PLACEHOLDERS, NCOLS) == (0, 1, 2, 3, 6, 7)
+cdef int64_t STATE_RUNNING_C = STATE_RUNNING
 
 ctypedef struct Params:
     int64_t token_budget
@@ -1395,6 +1399,23 @@ cdef int lazify_dispatch(int code, State* st, int32_t s, int64_t pending) except
         return lazify(st, <MaxLength*>NULL, <SyncPipe*>NULL, s, pending)
 
 
+cdef bint table_in_range(const int64_t[:, ::1] T) noexcept:
+    """bearsdk.replay.types.check_table's test at C speed (it formats the error)."""
+    cdef int64_t i, j, v, hi = _MAX_TOKENS_PY
+    cdef int64_t lo[7]
+    lo[:] = [0, 1, 0, 0, -hi, -hi, 0]
+    for i in range(T.shape[0]):
+        for j in range(7):
+            v = T[i, j]
+            if v < lo[j] or v > hi:
+                return False
+        if T[i, 0] > 1:
+            return False
+        if T[i, 0] == STATE_RUNNING_C and T[i, 2] > T[i, 1] + T[i, 3] + T[i, 6]:
+            return False
+    return True
+
+
 cdef int ev_cmp(const void* x, const void* y) noexcept nogil:
     cdef Ev* a = <Ev*>x
     cdef Ev* b = <Ev*>y
@@ -1539,8 +1560,9 @@ cdef class Replayer:
         tab = np.ascontiguousarray(table, dtype=np.int64)
         if tab.ndim != 2 or tab.shape[1] != NCOLS:
             raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
-        check_table(tab)
         cdef const int64_t[:, ::1] T = tab
+        if not table_in_range(T):
+            check_table(tab)  # raises, naming the row, the column and the value
         cdef int64_t n = T.shape[0], i, held = 0, freed = 0, lim, target, need
         cdef bint is_async = (self.code // 2) % 2
         cdef int alloc = self.code // 4
