@@ -501,6 +501,22 @@ async def test_the_callers_deadline_is_not_the_instances_failure() -> None:
         assert_off_the_books(router)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_callers_deadline_after_the_head_is_not_the_instances_failure(
+    stream: bool,
+) -> None:
+    async with (
+        FakeEngine().running() as eng,
+        router_for([config(eng)], idle_timeout_s=30.0) as router,
+    ):
+        for mode in ("hang-after-head", "mid-hang", "hang-after-head"):
+            eng.default = mode
+            with anyio.fail_after(10), pytest.raises(DispatchError, match="timeout_s"):
+                await read_all(await router.chat(MSG, stream=stream, timeout_s=0.2))
+        assert router._inst("a").breaker.opens == 0
+        assert_off_the_books(router)
+
+
 async def test_an_instance_that_cannot_be_tried_does_not_use_up_a_retry() -> None:
     async with (
         FakeEngine().running() as e0,

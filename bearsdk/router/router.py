@@ -936,7 +936,10 @@ class AsyncRouter:
                     and not isinstance(exc, aiohttp.ServerTimeoutError)
                 )
                 raise _Retryable(
-                    f"{type(exc).__name__}: {_exc_text(exc)}", fault=not callers
+                    f"the request's timeout_s ({total:g} s) ran out before the response"
+                    if callers
+                    else f"{type(exc).__name__}: {_exc_text(exc)}",
+                    fault=not callers,
                 ) from None
             if resp.status >= 400:
                 try:
@@ -1000,6 +1003,8 @@ class AsyncRouter:
             why = (
                 exc.why
                 if isinstance(exc, _BodyError)
+                else f"the request's timeout_s ({timeout_s:g} s) ran out"
+                if callers and timeout_s is not None
                 else f"{type(exc).__name__}: {_exc_text(exc)}"
             )
             if callers:
@@ -1385,7 +1390,8 @@ class ChatStream:
                     and isinstance(exc, TimeoutError)
                     and not isinstance(exc, aiohttp.ServerTimeoutError)
                 )
-                self._fail(f"{type(exc).__name__}: {_exc_text(exc)}", fault=fault)
+                why = "the request's timeout_s ran out" if not fault else ""
+                self._fail(why or f"{type(exc).__name__}: {_exc_text(exc)}", fault=fault)
             except DispatchError:
                 raise
             except BaseException:
