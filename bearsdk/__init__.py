@@ -1,134 +1,284 @@
-"""bearsdk: latency-aware routing for heterogeneous vLLM pools (BEA + BEAR)."""
+"""bearsdk: latency-aware routing for heterogeneous vLLM pools (BEA + BEAR).
 
-from bearsdk.cluster import Cluster, PowerOfD, SharedOverlay
-from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, GroundTruthParams
-from bearsdk.errors import BearError, SnapshotError, SpecError
-from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
-from bearsdk.estimators.baselines import (
-    LMDeployProxyEstimator,
-    RouteBalanceEstimator,
-    ScoreEstimator,
-    SemanticRouterEstimator,
-)
-from bearsdk.estimators.batch_time import (
-    BatchObservation,
-    BatchTimeFit,
-    BatchTimeModel,
-    OnlineBatchTime,
-    fit_batch_time,
-    read_batches,
-)
-from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
-from bearsdk.estimators.bea_adapter import BEALatencyEstimator
-from bearsdk.estimators.length import (
-    KnownLengths,
-    LengthPredictor,
-    MeanLengthPredictor,
-    RememberedLengths,
-)
-from bearsdk.estimators.lps import LPSEstimator
-from bearsdk.estimators.prefill import PrefillThroughputEstimator
-from bearsdk.estimators.profiles import load_profile, profile_names
-from bearsdk.estimators.stats import InstanceStats
-from bearsdk.evaluation import RequestResult, RunSummary, drive_workload, summarize
-from bearsdk.io import (
-    MetricsSource,
-    PollSource,
-    PushSource,
-    RedisBus,
-    RedisSnapshotBridge,
-    RedisSource,
-    ShmReader,
-    ShmSource,
-    ShmWriter,
-    SnapshotPublisher,
-    SnapshotSource,
-)
-from bearsdk.predictors import (
-    QWEN3_POOL,
-    ModelSpec,
-    PoolPrediction,
-    Predictor,
-    PredictorError,
-    PredictorFormatError,
-    PromptTokenCounter,
-    TrainConfig,
-    load_pool,
-    train_predictor,
-)
-from bearsdk.replay import (
-    IMPLEMENTATION,
-    BatchRecord,
-    Replayer,
-    ReplayerProtocol,
-    ReplayResult,
-    ScheduledBatch,
-    SchedulerCore,
-    StepOutput,
-    StopReason,
-)
-from bearsdk.router import (
-    AsyncRouter,
-    Candidate,
-    ChatResponse,
-    ChatStream,
-    CircuitBreaker,
-    ConfigError,
-    Decision,
-    DecisionLog,
-    DispatchError,
-    EngineRequestError,
-    FixedTarget,
-    InstanceConfig,
-    NoInstanceError,
-    PaperTargets,
-    PrometheusMetrics,
-    RequestError,
-    RouterHooks,
-    TargetRule,
-    load_pool_config,
-)
-from bearsdk.schedulers import (
-    Policy,
-    SchedulerSpec,
-    compile_policy,
-    get_scheduler,
-    load_spec,
-    policy,
-    register_scheduler,
-    scheduler_names,
-    unregister_scheduler,
-)
-from bearsdk.selectors import (
-    BEAR,
-    Lagrangian,
-    LatencyAgnostic,
-    LMDeployProxy,
-    Option,
-    PrefillTPS,
-    RoundRobin,
-    RouteBalance,
-    Score,
-    Selection,
-    Selector,
-    SelectorError,
-    SemanticRouter,
-    ShortestQueue,
-    make_selector,
-)
-from bearsdk.snapshot import KVState, RequestState, Snapshot, decode_snapshot, snapshot_from_dict
-from bearsdk.state import (
-    CachedSnapshot,
-    DispatchOverlay,
-    FastForward,
-    InstanceState,
-    ShadowView,
-    SnapshotCache,
-    StalenessPolicy,
-)
-from bearsdk.workload import WorkItem, arrivals, synthetic_workload
+Every public name is loaded on first use (PEP 562), so ``import bearsdk`` costs
+almost nothing and pulls in none of the emulator, the simulator, Redis or aiohttp
+until a name that needs them is touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bearsdk.cluster import Cluster, PowerOfD, SharedOverlay
+    from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, GroundTruthParams
+    from bearsdk.errors import BearError, SnapshotError, SpecError
+    from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
+    from bearsdk.estimators.baselines import (
+        LMDeployProxyEstimator,
+        RouteBalanceEstimator,
+        ScoreEstimator,
+        SemanticRouterEstimator,
+    )
+    from bearsdk.estimators.batch_time import (
+        BatchObservation,
+        BatchTimeFit,
+        BatchTimeModel,
+        OnlineBatchTime,
+        fit_batch_time,
+        read_batches,
+    )
+    from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
+    from bearsdk.estimators.bea_adapter import BEALatencyEstimator
+    from bearsdk.estimators.length import (
+        KnownLengths,
+        LengthPredictor,
+        MeanLengthPredictor,
+        RememberedLengths,
+    )
+    from bearsdk.estimators.lps import LPSEstimator
+    from bearsdk.estimators.prefill import PrefillThroughputEstimator
+    from bearsdk.estimators.profiles import load_profile, profile_names
+    from bearsdk.estimators.stats import InstanceStats
+    from bearsdk.evaluation import RequestResult, RunSummary, drive_workload, summarize
+    from bearsdk.io import (
+        MetricsSource,
+        PollSource,
+        PushSource,
+        RedisBus,
+        RedisSnapshotBridge,
+        RedisSource,
+        ShmReader,
+        ShmSource,
+        ShmWriter,
+        SnapshotPublisher,
+        SnapshotSource,
+    )
+    from bearsdk.predictors import (
+        QWEN3_POOL,
+        ModelSpec,
+        PoolPrediction,
+        Predictor,
+        PredictorError,
+        PredictorFormatError,
+        PromptTokenCounter,
+        TrainConfig,
+        load_pool,
+        train_predictor,
+    )
+    from bearsdk.replay import (
+        IMPLEMENTATION,
+        BatchRecord,
+        Replayer,
+        ReplayerProtocol,
+        ReplayResult,
+        ScheduledBatch,
+        SchedulerCore,
+        StepOutput,
+        StopReason,
+    )
+    from bearsdk.router import (
+        AsyncRouter,
+        Candidate,
+        ChatResponse,
+        ChatStream,
+        CircuitBreaker,
+        ConfigError,
+        Decision,
+        DecisionLog,
+        DispatchError,
+        EngineRequestError,
+        FixedTarget,
+        InstanceConfig,
+        NoInstanceError,
+        PaperTargets,
+        PrometheusMetrics,
+        RequestError,
+        RouterHooks,
+        TargetRule,
+        load_pool_config,
+    )
+    from bearsdk.schedulers import (
+        Policy,
+        SchedulerSpec,
+        compile_policy,
+        get_scheduler,
+        load_spec,
+        policy,
+        register_scheduler,
+        scheduler_names,
+        unregister_scheduler,
+    )
+    from bearsdk.selectors import (
+        BEAR,
+        Lagrangian,
+        LatencyAgnostic,
+        LMDeployProxy,
+        Option,
+        PrefillTPS,
+        RoundRobin,
+        RouteBalance,
+        Score,
+        Selection,
+        Selector,
+        SelectorError,
+        SemanticRouter,
+        ShortestQueue,
+        make_selector,
+    )
+    from bearsdk.snapshot import (
+        KVState,
+        RequestState,
+        Snapshot,
+        decode_snapshot,
+        snapshot_from_dict,
+    )
+    from bearsdk.state import (
+        CachedSnapshot,
+        DispatchOverlay,
+        FastForward,
+        InstanceState,
+        ShadowView,
+        SnapshotCache,
+        StalenessPolicy,
+    )
+    from bearsdk.workload import WorkItem, arrivals, synthetic_workload
 
 __version__ = "0.1.0.dev0"
+
+# Public name -> the module it lives in. The one table both the lazy loader and
+# ``__all__`` are built from, so they cannot drift apart.
+_HOMES: dict[str, str] = {
+    "AsyncRouter": "bearsdk.router",
+    "BEAEstimator": "bearsdk.estimators.bea",
+    "BEALatencyEstimator": "bearsdk.estimators.bea_adapter",
+    "BEAR": "bearsdk.selectors",
+    "BatchObservation": "bearsdk.estimators.batch_time",
+    "BatchRecord": "bearsdk.replay",
+    "BatchTimeFit": "bearsdk.estimators.batch_time",
+    "BatchTimeModel": "bearsdk.estimators.batch_time",
+    "BearError": "bearsdk.errors",
+    "CachedSnapshot": "bearsdk.state",
+    "Candidate": "bearsdk.router",
+    "ChatResponse": "bearsdk.router",
+    "ChatStream": "bearsdk.router",
+    "CircuitBreaker": "bearsdk.router",
+    "Cluster": "bearsdk.cluster",
+    "ConfigError": "bearsdk.router",
+    "Decision": "bearsdk.router",
+    "DecisionLog": "bearsdk.router",
+    "DispatchError": "bearsdk.router",
+    "DispatchOverlay": "bearsdk.state",
+    "EmulatedEngine": "bearsdk.emulator",
+    "EngineConfig": "bearsdk.emulator",
+    "EnginePool": "bearsdk.emulator",
+    "EngineRequestError": "bearsdk.router",
+    "FastForward": "bearsdk.state",
+    "FixedTarget": "bearsdk.router",
+    "GroundTruthParams": "bearsdk.emulator",
+    "IMPLEMENTATION": "bearsdk.replay",
+    "InstanceConfig": "bearsdk.router",
+    "InstanceState": "bearsdk.state",
+    "InstanceStats": "bearsdk.estimators.stats",
+    "InstanceView": "bearsdk.estimators.base",
+    "KVState": "bearsdk.snapshot",
+    "KnownLengths": "bearsdk.estimators.length",
+    "LMDeployProxy": "bearsdk.selectors",
+    "LMDeployProxyEstimator": "bearsdk.estimators.baselines",
+    "LPSEstimator": "bearsdk.estimators.lps",
+    "Lagrangian": "bearsdk.selectors",
+    "LatencyAgnostic": "bearsdk.selectors",
+    "LatencyEstimator": "bearsdk.estimators.base",
+    "LengthPredictor": "bearsdk.estimators.length",
+    "MeanLengthPredictor": "bearsdk.estimators.length",
+    "MetricsSource": "bearsdk.io",
+    "ModelSpec": "bearsdk.predictors",
+    "NoInstanceError": "bearsdk.router",
+    "OnlineBatchTime": "bearsdk.estimators.batch_time",
+    "Option": "bearsdk.selectors",
+    "PaperTargets": "bearsdk.router",
+    "Policy": "bearsdk.schedulers",
+    "PollSource": "bearsdk.io",
+    "PoolPrediction": "bearsdk.predictors",
+    "PowerOfD": "bearsdk.cluster",
+    "Predictor": "bearsdk.predictors",
+    "PredictorError": "bearsdk.predictors",
+    "PredictorFormatError": "bearsdk.predictors",
+    "PrefillTPS": "bearsdk.selectors",
+    "PrefillThroughputEstimator": "bearsdk.estimators.prefill",
+    "PreparedSnapshot": "bearsdk.estimators.bea",
+    "PrometheusMetrics": "bearsdk.router",
+    "PromptTokenCounter": "bearsdk.predictors",
+    "PushSource": "bearsdk.io",
+    "QWEN3_POOL": "bearsdk.predictors",
+    "RedisBus": "bearsdk.io",
+    "RedisSnapshotBridge": "bearsdk.io",
+    "RedisSource": "bearsdk.io",
+    "RememberedLengths": "bearsdk.estimators.length",
+    "ReplayResult": "bearsdk.replay",
+    "Replayer": "bearsdk.replay",
+    "ReplayerProtocol": "bearsdk.replay",
+    "RequestError": "bearsdk.router",
+    "RequestInfo": "bearsdk.estimators.base",
+    "RequestResult": "bearsdk.evaluation",
+    "RequestState": "bearsdk.snapshot",
+    "RoundRobin": "bearsdk.selectors",
+    "RouteBalance": "bearsdk.selectors",
+    "RouteBalanceEstimator": "bearsdk.estimators.baselines",
+    "RouterHooks": "bearsdk.router",
+    "RunSummary": "bearsdk.evaluation",
+    "ScheduledBatch": "bearsdk.replay",
+    "SchedulerCore": "bearsdk.replay",
+    "SchedulerSpec": "bearsdk.schedulers",
+    "Score": "bearsdk.selectors",
+    "ScoreEstimator": "bearsdk.estimators.baselines",
+    "Selection": "bearsdk.selectors",
+    "Selector": "bearsdk.selectors",
+    "SelectorError": "bearsdk.selectors",
+    "SemanticRouter": "bearsdk.selectors",
+    "SemanticRouterEstimator": "bearsdk.estimators.baselines",
+    "ShadowView": "bearsdk.state",
+    "SharedOverlay": "bearsdk.cluster",
+    "ShmReader": "bearsdk.io",
+    "ShmSource": "bearsdk.io",
+    "ShmWriter": "bearsdk.io",
+    "ShortestQueue": "bearsdk.selectors",
+    "Snapshot": "bearsdk.snapshot",
+    "SnapshotCache": "bearsdk.state",
+    "SnapshotError": "bearsdk.errors",
+    "SnapshotPublisher": "bearsdk.io",
+    "SnapshotSource": "bearsdk.io",
+    "SpecError": "bearsdk.errors",
+    "StalenessPolicy": "bearsdk.state",
+    "StepOutput": "bearsdk.replay",
+    "StopReason": "bearsdk.replay",
+    "TTFTEstimate": "bearsdk.estimators.bea",
+    "TargetRule": "bearsdk.router",
+    "TrainConfig": "bearsdk.predictors",
+    "WorkItem": "bearsdk.workload",
+    "arrivals": "bearsdk.workload",
+    "compile_policy": "bearsdk.schedulers",
+    "decode_snapshot": "bearsdk.snapshot",
+    "drive_workload": "bearsdk.evaluation",
+    "fit_batch_time": "bearsdk.estimators.batch_time",
+    "get_scheduler": "bearsdk.schedulers",
+    "load_pool": "bearsdk.predictors",
+    "load_pool_config": "bearsdk.router",
+    "load_profile": "bearsdk.estimators.profiles",
+    "load_spec": "bearsdk.schedulers",
+    "make_selector": "bearsdk.selectors",
+    "policy": "bearsdk.schedulers",
+    "profile_names": "bearsdk.estimators.profiles",
+    "read_batches": "bearsdk.estimators.batch_time",
+    "register_scheduler": "bearsdk.schedulers",
+    "scheduler_names": "bearsdk.schedulers",
+    "snapshot_from_dict": "bearsdk.snapshot",
+    "summarize": "bearsdk.evaluation",
+    "synthetic_workload": "bearsdk.workload",
+    "train_predictor": "bearsdk.predictors",
+    "unregister_scheduler": "bearsdk.schedulers",
+}
 
 __all__ = [
     "BEAR",
@@ -261,3 +411,17 @@ __all__ = [
     "train_predictor",
     "unregister_scheduler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'bearsdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    # Cache it: the next access is a plain module attribute, no hook.
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
