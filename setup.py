@@ -45,8 +45,11 @@ def _extensions() -> list:
         "embedsignature": True,
     }
     opt = ["-O0", "-g"] if debug else ["-O3"]
+    # The checked allocation helpers every module cimports (listed so that an
+    # sdist ships them and a change rebuilds the modules).
+    shared = ["cext/_mem.pxd"]
     exts = [
-        Extension(name, [src], extra_compile_args=opt, define_macros=[])
+        Extension(name, [src], depends=shared, extra_compile_args=opt, define_macros=[])
         for name, src in EXTENSIONS.items()
     ]
     return cythonize(exts, compiler_directives=directives, include_path=["cext"], quiet=True)
