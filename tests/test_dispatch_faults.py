@@ -464,6 +464,29 @@ async def test_nonsense_request_arguments_are_refused(kwargs: dict[str, Any], fi
             router.decide(MSG, max_tokens=kwargs[field])
 
 
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "field"),
+    [
+        (5, {}, "messages must be a list"),
+        ("hi", {}, "messages must be a list"),
+        ([1], {}, "messages\\[0\\]"),
+        ([{"role": "user", "content": 7}], {}, "messages\\[0\\].content"),
+        ([{"role": "user", "content": "x" * 10**6}], {"stream": "yes"}, "stream"),
+    ],
+)
+async def test_nonsense_messages_are_refused(messages: Any, kwargs: Any, field: str) -> None:
+    async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
+        with pytest.raises(RequestError, match=field) as ei:
+            await router.chat(messages, **kwargs)
+        assert len(str(ei.value)) < 300
+        with pytest.raises(RequestError, match="request_id"):
+            router.decide(MSG, request_id="r" * 10_000)
+        with pytest.raises(RequestError, match="prompt must be a string"):
+            await router.completions(MSG)  # type: ignore[arg-type]
+        assert eng.seen == []
+        assert_off_the_books(router)
+
+
 def test_nonsense_router_settings_are_refused() -> None:
     cfg = InstanceConfig(name="a", url="http://127.0.0.1:9", model=MODEL, profile="qwen3-8b-h100")
     for kw in ({"idle_timeout_s": 0}, {"idle_timeout_s": math.nan}, {"max_event_bytes": 0}):

@@ -208,21 +208,32 @@ _BASELINE_ESTIMATORS: dict[str, LatencyEstimator] = {
 
 
 def _prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
-    """The text the predictors read: a prompt, or the messages' contents joined."""
+    """The text the predictors read: a prompt, or the messages' contents joined.
+
+    Raises:
+        RequestError: Not a string, nor a list of message objects.
+    """
     if isinstance(prompt, str):
         return prompt
+    given: object = prompt  # callers' types are not checked at run time
+    if not isinstance(given, Sequence):
+        raise RequestError(
+            f"messages must be a list of message objects, or a prompt string (got {_short(prompt)})"
+        )
     parts = []
     for i, m in enumerate(prompt):
         if not isinstance(m, Mapping) or "content" not in m:
-            raise BearError(f"messages[{i}] must be an object with a 'content' field (got {m!r})")
+            raise RequestError(
+                f"messages[{i}] must be an object with a 'content' field (got {_short(m)})"
+            )
         content = m["content"]
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):  # OpenAI content parts
             parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
         elif content is not None:
-            raise BearError(
-                f"messages[{i}].content must be a string or a list of parts (got {content!r})"
+            raise RequestError(
+                f"messages[{i}].content must be a string or a list of parts (got {_short(content)})"
             )
     return "\n".join(parts)
 
@@ -577,12 +588,19 @@ class AsyncRouter:
             The decision, with every candidate's predictions.
 
         Raises:
-            RequestError: ``ttft_target`` or ``max_tokens`` is not a valid value.
+            RequestError: ``ttft_target``, ``max_tokens`` or ``request_id`` is not
+                a valid value, or ``prompt`` is neither a string nor messages.
             NoInstanceError: No instance can take the request.
         """
         t0 = time.perf_counter()
         ttft_target = _check_target(ttft_target)
         max_tokens = _check_max_tokens("max_tokens", max_tokens)
+        if request_id is not None and not (
+            isinstance(request_id, str) and 0 < len(request_id) <= 256
+        ):
+            raise RequestError(
+                f"request_id must be a string of 1 to 256 characters (got {_short(request_id)})"
+            )
         now = self.clock()
         pred = self.predictor.predict(_prompt_text(prompt), quantiles=False)
         insts = [
@@ -770,8 +788,11 @@ class AsyncRouter:
             NoInstanceError: No instance can take it.
             DispatchError: Every instance tried failed before answering.
         """
+        given: object = messages  # callers' types are not checked at run time
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            raise RequestError(f"messages must be a list of message objects (got {_short(given)})")
         body = dict(params)
-        body["messages"] = list(messages)
+        body["messages"] = list(given)
         return await self._send(
             "/v1/chat/completions", messages, body, ttft_target, stream, timeout_s
         )
@@ -819,6 +840,8 @@ class AsyncRouter:
         **params: Any,
     ) -> ChatStream | ChatResponse:
         """Route a completion request and send it (``/v1/completions``); as :meth:`chat`."""
+        if not isinstance(prompt, str):
+            raise RequestError(f"prompt must be a string (got {_short(prompt)})")
         body = dict(params)
         body["prompt"] = prompt
         return await self._send("/v1/completions", prompt, body, ttft_target, stream, timeout_s)
@@ -839,6 +862,8 @@ class AsyncRouter:
             "max_completion_tokens", body.get("max_completion_tokens")
         )
         timeout_s = _check_timeout(timeout_s)
+        if not isinstance(stream, bool):
+            raise RequestError(f"stream must be True or False (got {_short(stream)})")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, Mapping):
             raise RequestError(f"stream_options must be an object (got {_short(options)})")
