@@ -39,10 +39,19 @@ async def stop_running(
     exc: BaseException | None,
     tb: TracebackType | None,
 ) -> bool | None:
-    """Cancel and close a group from :func:`start_running` (an ``__aexit__``)."""
+    """Cancel and close a group from :func:`start_running` (an ``__aexit__``).
+
+    Never swallows the block's exception: a cancellation from outside (Ctrl-C
+    under ``asyncio.run``) or an interrupt goes on up, so the code after the
+    ``async with`` does not run as if the block had finished.
+    """
+    # Set only when a child failed: then the block's CancelledError is this
+    # group's own, and the group's ``__aexit__`` turns it into the child's error.
+    cancelled_by_child = tg.cancel_scope.cancel_called
     tg.cancel_scope.cancel()
-    if isinstance(exc, Exception):
-        # The block's own error propagates as it is, not wrapped in a group.
+    if isinstance(exc, Exception) or (exc is not None and not cancelled_by_child):
+        # The block's own error, or a cancellation from outside, propagates as it
+        # is, not wrapped in a group nor taken for this group's own cancellation.
         await tg.__aexit__(None, None, None)
         return None
     return await tg.__aexit__(exc_type, exc, tb)
