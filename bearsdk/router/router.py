@@ -467,12 +467,17 @@ class AsyncRouter:
 
     async def __aexit__(self, *exc: object) -> None:
         tg, self._tg = self._tg, None
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            if self._own_session and self._session is not None:
+                # Shielded, and even when closing the group raised: a router left
+                # by a cancellation (Ctrl-C) must not leak its session.
+                with anyio.CancelScope(shield=True):
+                    await self._session.close()
+                self._session = None
 
     async def _run_source(
         self, inst: _Instance, *, task_status: anyio.abc.TaskStatus[None]
