@@ -24,7 +24,6 @@ import itertools
 import logging
 import math
 import numbers
-import reprlib
 import statistics
 import time
 import uuid
@@ -39,7 +38,7 @@ import anyio.abc
 import attrs
 import orjson
 
-from bearsdk.errors import BearError
+from bearsdk.errors import BearError, short_repr
 from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
 from bearsdk.estimators.baselines import (
     LMDeployProxyEstimator,
@@ -82,14 +81,11 @@ _MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
 _STREAM_HEAD_TIMEOUT_S = 30.0
 # Output caps above this are no request's (and overflow the engines' int32 counts).
 _MAX_TOKENS_LIMIT = 2**31 - 1
-# Error messages show at most this much of a rejected value.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
 
 
 def _short(value: object) -> str:
     """A bounded ``repr`` for error messages (safe on huge or deeply nested values)."""
-    return _REPR.repr(value)
+    return short_repr(value, 80)
 
 
 class RequestError(BearError, ValueError):
