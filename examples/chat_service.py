@@ -21,15 +21,8 @@ prediction error, ``GET /metrics`` the router's Prometheus metrics (with the
 
 from __future__ import annotations
 
-import argparse
-import logging
-import math
-import os
 import signal
-import socket
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
 
 
 def _interrupted_early(signum: int, frame: object) -> None:
@@ -41,6 +34,14 @@ if __name__ == "__main__":
     # Ctrl-C while the libraries below load: one line and 130, not a traceback
     # (the service installs its own handler once its event loop runs).
     signal.signal(signal.SIGINT, _interrupted_early)
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
 
 import aiohttp  # noqa: E402
 import anyio  # noqa: E402
