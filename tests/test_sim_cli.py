@@ -246,3 +246,20 @@ def test_the_real_data_config_runs(tmp_path: Path) -> None:
     assert bear.n == 150
     assert 0.0 < bear.on_time_utility <= oracle.on_time_utility + 0.05
     assert not math.isnan(bear.mean_ttft_s)
+
+
+def test_a_pool_scheduler_can_be_a_spec_file(tmp_path: Path) -> None:
+    specs = Path(__file__).resolve().parents[1] / "bearsdk" / "schedulers" / "specs"
+    spec = (specs / "vllm-v1.toml").read_text().replace('name = "vllm-v1"', 'name = "sim-mine"')
+    (tmp_path / "mine.toml").write_text(spec)
+    text = SMALL.replace(
+        'engine = "qwen3-0.6b-h100"', 'engine = "qwen3-0.6b-h100"\nscheduler = "mine.toml"'
+    )
+    (tmp_path / "small.toml").write_text(text.replace("requests = 120", "requests = 40"))
+    cfg = load_config(tmp_path / "small.toml")  # relative to the configuration's folder
+    assert cfg.pool[0].scheduler == "sim-mine"
+    cfg = attrs.evolve(cfg, sweeps=cfg.sweeps[:1])
+    assert len(run_config(cfg, workers=2).results) == 10  # the workers know the spec too
+    (tmp_path / "small.toml").write_text(text.replace("mine.toml", "nope.toml"))
+    with pytest.raises(SimConfigError, match=r"pool\['small'\]\.scheduler 'nope.toml' cannot be read"):
+        load_config(tmp_path / "small.toml")

@@ -19,7 +19,7 @@
     model = "Qwen/Qwen3-8B"         # the predictor's model name (accuracy, prices)
     engine = "qwen3-8b-h100"        # emulator profile: the ground truth
     profile = "qwen3-8b-h100"       # the router's eq. 12 profile (default: engine)
-    scheduler = "vllm-v1"
+    scheduler = "vllm-v1"             # a registered name, or a spec file (relative: to here)
     params = {}                     # engine flags (default: vllm serve's on that hardware)
     ground_truth = {}               # GroundTruthParams overrides (noise_sigma, ...)
 
@@ -272,7 +272,26 @@ def _numbers(
     return tuple(_number(section, key, x, lo, strict) for x in v)
 
 
-def _pool(raw: object) -> tuple[InstanceSpec, ...]:
+def _scheduler(sec: str, value: str, base: Path) -> str:
+    """A pool entry's scheduler: a registered name, or a spec file registered here.
+
+    A relative file is relative to the configuration's folder. Worker processes get
+    the spec from the parent (see ``bearsdk.sim.sweep``).
+    """
+    if not (value.endswith(".toml") or "/" in value or "\\" in value):
+        return value
+    from bearsdk.schedulers import register_scheduler
+
+    path = Path(value)
+    try:
+        return register_scheduler(path if path.is_absolute() else base / path, replace=True).name
+    except OSError as exc:
+        raise SimConfigError(f"{sec}.scheduler {value!r} cannot be read ({exc.strerror})") from None
+    except (BearError, ValueError) as exc:
+        raise SimConfigError(f"{sec}.scheduler {value!r}: {exc}") from None
+
+
+def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
     from bearsdk.emulator import profile_names
 
     if not isinstance(raw, list) or not raw:
@@ -322,7 +341,7 @@ def _pool(raw: object) -> tuple[InstanceSpec, ...]:
             engine=engine,
             profile=d.get("profile"),
             batch_time=bt,
-            scheduler=_str(sec, d, "scheduler", "vllm-v1"),
+            scheduler=_scheduler(sec, _str(sec, d, "scheduler", "vllm-v1"), base),
             params=tuple(sorted(params.items())),
             ground_truth=tuple(sorted(gt.items())),
         )
@@ -526,7 +545,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         batch_time=batch_time,
         resident_lengths=lengths,
         predictor=_str("router", router, "predictor", "default"),
-        pool=_pool(doc.get("pool")),
+        pool=_pool(doc.get("pool"), Path(source).resolve().parent if source else Path.cwd()),
         workload=_workload(doc.get("workload", {})),
         policies=policies,
         sweeps=_sweeps(doc.get("sweep"), policies),

@@ -245,6 +245,13 @@ def _init_worker(shared: dict[str, Any], quiet_sigint: bool = False) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _SHARED.clear()
     _SHARED.update(shared)
+    from bearsdk.schedulers import register_scheduler, scheduler_names
+
+    # Specs registered from files in the parent: a forked worker has them already, a
+    # spawned one gets them here.
+    for spec in shared.get("schedulers", ()):
+        if spec.name not in scheduler_names():
+            register_scheduler(spec)
 
 
 def _run_one(task: tuple[int, Scenario]) -> tuple[int, RunResult]:
@@ -352,7 +359,15 @@ def run_config(
             unique[key] = len(order)
             order.append(key)
     tasks = list(enumerate(order))
-    shared = {"inputs": inputs, "pool": pool, "decode_runs": decode_runs}
+    from bearsdk.schedulers import get_scheduler
+
+    schedulers = [get_scheduler(name) for name in sorted({s.scheduler for s in pool})]
+    shared = {
+        "inputs": inputs,
+        "pool": pool,
+        "decode_runs": decode_runs,
+        "schedulers": schedulers,
+    }
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     bar = progress(len(tasks)) if progress is not None else None
     done: dict[int, RunResult] = {}
