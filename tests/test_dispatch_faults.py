@@ -489,7 +489,14 @@ async def test_nonsense_messages_are_refused(messages: Any, kwargs: Any, field: 
 
 def test_nonsense_router_settings_are_refused() -> None:
     cfg = InstanceConfig(name="a", url="http://127.0.0.1:9", model=MODEL, profile="qwen3-8b-h100")
-    for kw in ({"idle_timeout_s": 0}, {"idle_timeout_s": math.nan}, {"max_event_bytes": 0}):
+    for kw in (
+        {"idle_timeout_s": 0},
+        {"idle_timeout_s": math.nan},
+        {"max_event_bytes": 0},
+        {"max_body_bytes": True},
+        {"retries": -1},
+        {"retries": 1.5},
+    ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             AsyncRouter([cfg], **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cooldown_s"):

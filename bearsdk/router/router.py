@@ -308,6 +308,8 @@ class AsyncRouter:
         ):
             if isinstance(size, bool) or not isinstance(size, int) or size < 64:
                 raise ConfigError(f"{field} must be an integer >= 64 (got {_short(size)})")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 64:
+            raise ConfigError(f"retries must be an integer in [0, 64] (got {_short(retries)})")
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_event_bytes = max_event_bytes
         self.max_body_bytes = max_body_bytes
