@@ -126,7 +126,8 @@ _KV_FIELDS: Final = ("block_size", "num_blocks", "free_blocks")
 
 def _valid(rng: random.Random, instance: str) -> dict[str, Any]:
     """A valid document (running requests first), now and then near the decoders' bounds."""
-    extreme = rng.random() < 0.03
+    # Rare: near the bounds, one snapshot's replay costs up to ~100x a typical one's.
+    extreme = rng.random() < 0.005
     n = rng.choice((0, 1, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
     n_wait = rng.randint(0, n) if rng.random() < 0.6 else 0
     bs = rng.choice((16, 16, 16, 32, 1, 4096)) if extreme else rng.choice((16, 16, 32))
