@@ -89,8 +89,9 @@ def test_demo_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert policy in out
     rows = [ln for ln in out.splitlines() if ln[2:].startswith(("bear ", "round-robin "))]
     assert len(rows) == 2
-    otu = float(rows[0].split()[1])  # the best policy first, marked with a star
-    assert rows[0].startswith(" *")
+    otu = float(rows[0][2:].split()[1])  # the best policy first, marked with a star
+    # (after a "!" when a busy machine made that run unreliable even on rerun)
+    assert rows[0][1] == "*"
     assert 0.0 <= otu <= 1.0
     assert not math.isnan(otu)
     assert plot.read_text().startswith("<svg")
