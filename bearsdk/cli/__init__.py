@@ -56,6 +56,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         """The help as plain text: docstrings' reST markup is for Sphinx, not a terminal."""
+        # Stripped before formatting, so that paragraphs are wrapped at their real width.
+        if self.description:
+            self.description = plain_text(self.description)
+        if self.epilog:
+            self.epilog = plain_text(self.epilog)
+        for action in self._actions:
+            if isinstance(action.help, str):
+                action.help = plain_text(action.help)
         return plain_text(super().format_help())
 
     def format_usage(self) -> str:
