@@ -127,5 +127,5 @@ def test_demo_on_real_data(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FuseChat-Gemma-2-9B-Instruct on llama-3-8b-a100" in out
     assert "10x slower" in out
     assert "qwen-7b" in out or "gemma-9b" in out
-    row = next(ln for ln in out.splitlines() if ln.startswith(" *bear"))
-    assert 0.0 <= float(row.split()[1]) <= 1.0
+    row = next(ln for ln in out.splitlines() if ln[1:].startswith("*bear"))  # "!": unreliable
+    assert 0.0 <= float(row[2:].split()[1]) <= 1.0
