@@ -262,7 +262,7 @@ ERROR_CASES: list[tuple[str, list[str], str]] = [
         ["bench", "predictors", "--skip-speed", "--alpaca-dir", "{d}/nope"],
         "nope",
     ),
-    # demo (H5a fixes the demo's own checks)
+    # demo
     ("demo-duration-0", ["demo", "--duration", "0"], "--duration"),
     ("demo-rates-0", ["demo", "--rates", "0"], "rate"),
     ("demo-plot-unwritable", ["demo", "--plot", MISSING + "/x.svg"], "nonexistent-bearsdk-dir"),
@@ -270,8 +270,6 @@ ERROR_CASES: list[tuple[str, list[str], str]] = [
     ("unknown-command", ["nope"], "nope"),
     ("unknown-option", ["replay", "--cases", "{d}/good.jsonl", "--nope"], "--nope"),
 ]
-
-_DEMO_H5A = {"demo-duration-0", "demo-plot-unwritable"}
 
 
 def _run_error_case(argv: list[str], d: Path, port: int = 0) -> subprocess.CompletedProcess[str]:
@@ -323,15 +321,7 @@ def _one_error_line(res: subprocess.CompletedProcess[str], prefix: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("cid", "argv", "needle"),
-    [
-        pytest.param(
-            *c,
-            id=c[0],
-            marks=[pytest.mark.xfail(strict=False, reason="H5a")] if c[0] in _DEMO_H5A else [],
-        )
-        for c in ERROR_CASES
-    ],
+    ("cid", "argv", "needle"), [pytest.param(*c, id=c[0]) for c in ERROR_CASES]
 )
 def test_a_bad_input_is_one_line_and_exit_2(
     cid: str,
@@ -536,7 +526,6 @@ def test_ctrl_c_bench_emulator(files: Path) -> None:
     _interrupted(rc, out, "bearsdk bench emulator")
 
 
-@pytest.mark.xfail(strict=False, reason="H5a")
 def test_ctrl_c_demo(files: Path) -> None:
     rc, out, _ = _interrupt(
         ["demo", "--duration", "30", "--rates", "4", "--policies", "bear", "--no-plot"],
