@@ -37,6 +37,14 @@ from bearsdk.errors import SnapshotError, short_repr
 __all__ = [
     "COLUMNS",
     "DECODER",
+    "MAX_BLOCK_SIZE",
+    "MAX_ID_CHARS",
+    "MAX_INFLIGHT_S",
+    "MAX_NUM_BLOCKS",
+    "MAX_PLACEHOLDERS",
+    "MAX_REQUESTS",
+    "MAX_REQUEST_TOKENS",
+    "MAX_TOTAL_TOKENS",
     "SCHEMA",
     "KVState",
     "RequestState",
@@ -82,9 +90,9 @@ MAX_NUM_BLOCKS: Final = 2**24
 """KV blocks in one engine's pool."""
 MAX_REQUEST_TOKENS: Final = 2**24
 """Tokens of one request: its prompt plus its output (any context window)."""
-MAX_PLACEHOLDERS: Final = 1024
-"""Output tokens of one request scheduled in the batch in flight."""
-MAX_REQUESTS: Final = 65_536
+MAX_PLACEHOLDERS: Final = 64
+"""Output tokens of one request scheduled in the batch in flight (1 + speculative)."""
+MAX_REQUESTS: Final = 4096
 """Resident requests (running and waiting) in one snapshot."""
 MAX_TOTAL_TOKENS: Final = 2**26
 """Prompt plus output tokens of all resident requests together."""
