@@ -35,9 +35,14 @@ parameter names mirror the engine's own flags while the blocks stay generic.
 and validates everything into a :class:`Policy`, the flat value the replay
 implementations compile.
 
-Decoding is strict: unknown keys anywhere are errors, and every error names the
+Decoding is strict: unknown keys anywhere are errors (with the close name
+suggested), a parameter no block uses is an error, and every error names the
 policy, the field and the value (``scheduler 'sarathi': chunk_size must be > 0
-(got 0)``).
+(got 0)``). Numbers are bounded physically with the snapshot caps
+(``docs/snapshots.md``, "Bounds"): ``block_size`` <= 4096, ``num_blocks`` and
+``reserved_blocks`` <= 2**24, the token budget, ``max_model_len`` and
+``chunk_cap`` <= 2**24 tokens, ``seqs`` <= 4096. Spec files are UTF-8 (a BOM is
+ignored).
 """
 
 from __future__ import annotations
