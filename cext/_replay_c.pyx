@@ -1038,7 +1038,6 @@ cdef int relazify(State* st, Alloc* a, Pipe* p, Batch* b) except -1 nogil:
     cdef int32_t s
     cdef Req* q
     cdef Batch* prev
-    cdef int rc
     st.n_ex = 0
     for i in range(st.ro_n):
         s = st.ro[i]
@@ -1856,16 +1855,17 @@ cdef class Replayer:
         return self.st.t if rc == R_FIRST_TOKEN else INFINITY
 
     def replay(self, Prepared prepared, prompt_tokens, output_len,
-               coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, long long max_batches=1_000_000,
+               coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
                max_tokens=-1):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``.
         """
+        cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record)
         cdef int rc
         with nogil:
-            rc = run_dispatch(self.code, &self.st, max_batches)
+            rc = run_dispatch(self.code, &self.st, limit)
         batches = None
         if record:
             batches = tuple(self._records())

@@ -103,12 +103,23 @@ def test_more_computed_than_tokens_is_refused(impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     ("arg", "value"),
-    [("prompt_tokens", 0), ("prompt_tokens", 2**63), ("output_len", 2**64), ("max_tokens", 2**41)],
+    [
+        ("prompt_tokens", 0),
+        ("prompt_tokens", 2**63),
+        ("output_len", 2**64),
+        ("max_tokens", 2**41),
+        ("max_batches", 2**70),
+    ],
 )
 def test_new_request_sizes_out_of_range_are_refused_alike(impl: str, arg: str, value: int) -> None:
     rp = _replayer(impl)
     prep = rp.prepare(_running(1))
-    kwargs: dict[str, object] = {"prompt_tokens": 5, "output_len": 2, "max_tokens": -1}
+    kwargs: dict[str, object] = {
+        "prompt_tokens": 5,
+        "output_len": 2,
+        "max_tokens": -1,
+        "max_batches": 100,
+    }
     kwargs[arg] = value
     with pytest.raises(ValueError, match=rf"{arg} must be .* \(got {value}\)"):
         rp.replay(prep, coeffs=COEFFS, **kwargs)  # type: ignore[arg-type]

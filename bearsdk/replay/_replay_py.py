@@ -352,6 +352,7 @@ class Replayer:
         prompt_tokens = check_tokens(prompt_tokens, "prompt_tokens", 1)
         output_len = check_tokens(output_len, "output_len", -MAX_TOKENS)
         max_tokens = check_tokens(max_tokens, "max_tokens", -MAX_TOKENS)
+        max_batches = check_tokens(max_batches, "max_batches", -MAX_TOKENS)
         run = SchedulerCore._from_prepared(self, prepared, record, coeffs)
         new = self._make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
         run.waiting.append(new)
