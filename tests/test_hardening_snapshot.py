@@ -429,3 +429,69 @@ def test_cache_survives_a_decoder_or_replay_bug(monkeypatch: pytest.MonkeyPatch)
     assert c.entry is good
     assert c.stats().rejected == {str(Reject.MALFORMED): 1, str(Reject.UNREPLAYABLE): 1}
     assert len(c.stats().last_reject or "") < MAX_MESSAGE
+
+
+# ------------------------------------------- through the router's sources
+
+
+@pytest.mark.parametrize("kind", ["poll", "push"])
+async def test_hostile_snapshots_through_a_source_leave_the_last_good_one(kind: str) -> None:
+    """Defects 1-3 as an engine would send them: the source and the cache survive."""
+    import anyio
+    from aiohttp import web
+
+    from bearsdk.io import Backoff, PollSource, PushSource, SnapshotPublisher
+
+    pub = SnapshotPublisher("eng-0", heartbeat_s=0.1)
+    app = web.Application()
+    pub.add_routes(app)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    fast = Backoff(initial_s=0.01, max_s=0.05)
+    src = (
+        PollSource(url, interval_s=0.005, timeout_s=1.0, backoff=fast)
+        if kind == "poll"
+        else PushSource(url, heartbeat_s=0.1, connect_timeout_s=1.0, backoff=fast)
+    )
+    c = cache()
+    epoch = pub.epoch or "e"
+
+    def wait_for(cond: Any) -> Any:
+        async def go() -> None:
+            with anyio.fail_after(20):
+                while not cond():  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+
+        return go()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(src.run, c)
+            pub.publish(orjson.dumps(base(seq=10, epoch=epoch)))
+            await wait_for(lambda: c.entry is not None and c.entry.seq == 10)
+            good = c.entry
+            r0 = dict(base()["requests"][0])
+            hostile = [
+                base(seq=11, epoch=epoch, kv={**base()["kv"], "block_size": 2**63 - 1}),
+                base(seq=12, epoch=epoch, kv={**base()["kv"], "block_size": 2**27}),
+                base(seq=13, epoch=epoch, instance=Nest(990)),
+                base(seq=14, epoch=epoch, requests=[{**r0, "id": Nest(990)}]),
+                base(seq=15, epoch=epoch, kv=None, requests=[
+                    {"id": "w", "state": "waiting", "prompt_tokens": 5, "computed_tokens": 0,
+                     "output_tokens": 2**63 - 1}]),
+                base(seq=16, epoch=epoch, kv=None, requests=[{**r0, "placeholders": 2**31}]),
+            ]  # fmt: skip
+            for i, d in enumerate(hostile):
+                pub.publish(dumps(d))
+                await wait_for(lambda i=i: c.stats().rejected_total >= i + 1)
+                assert c.entry is good
+            pub.publish(orjson.dumps(base(seq=17, epoch=epoch)))
+            await wait_for(lambda: c.entry is not None and c.entry.seq == 17)
+            tg.cancel_scope.cancel()
+    finally:
+        pub.close()
+        await runner.cleanup()
+    assert c.stats().rejected == {str(Reject.FIELD): len(hostile)}
