@@ -2,6 +2,11 @@
 
 import sys
 
-from bearsdk.cli import main
+try:
+    from bearsdk.cli import main
+except KeyboardInterrupt:
+    # Ctrl-C while the package loads (half a second): the same one line as later on.
+    print("bearsdk: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())
