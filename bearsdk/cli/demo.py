@@ -8,7 +8,7 @@ and arrival rate, each run on fresh engines with the same requests. The table
 shows OnTimeUtility (eq. 6), SLO attainment and where the requests went; the
 plot (SVG, no plotting library needed) shows OnTimeUtility against the rate.
 
-With ``--workload alpaca-eval`` (needs the shared data) the pool is the
+With ``--workload alpaca-eval`` (needs the AlpacaEval data) the pool is the
 default real-data pool, FuseChat-3.0 Llama-3.2-1B / Qwen-2.5-7B / Gemma-2-9B,
 on the emulator profiles nearest in size; each request is a held-out AlpacaEval
 instruction (odd ids) whose true accuracy on each model is that model's
@@ -135,17 +135,13 @@ def _alpaca() -> tuple[Predictor, tuple[WorkItem, ...]]:
     Raises:
         FileNotFoundError: The AlpacaEval data are not on this machine.
     """
-    from bearsdk.estimators.dense import shared_data_dir
+    from bearsdk.data import data_dir
     from bearsdk.predictors import FUSECHAT3_POOL, TrainConfig, read_alpaca_eval
     from bearsdk.predictors.training import train_predictor
     from bearsdk.workload import alpaca_prompts
 
-    root = shared_data_dir()
-    if root is None or not (root / "alpaca_eval" / "prompts.csv").is_file():
-        raise FileNotFoundError(
-            "--workload alpaca-eval needs the AlpacaEval tables of the shared data "
-            "(shared/data/alpaca_eval); set BEARSDK_SHARED to the shared folder"
-        )
+    # `_run` resolved --data-dir into BEARSDK_DATA, so workers find the same folder.
+    root = data_dir(None, "alpaca-eval")
     data = read_alpaca_eval(root / "alpaca_eval", FUSECHAT3_POOL)
     even = range(0, len(data.prompts), 2)
     pred = train_predictor(data.select_prompts(list(even)), TrainConfig(quantiles=()))
@@ -265,7 +261,7 @@ def run_policy(
 
     Raises:
         ValueError: An unknown workload.
-        FileNotFoundError: ``"alpaca-eval"`` without the shared data.
+        DataNotFoundError: ``"alpaca-eval"`` without the AlpacaEval data.
     """
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS} (got {workload!r})")
@@ -615,11 +611,11 @@ def _run(args: argparse.Namespace) -> int:
         workers = default_jobs(len(cpus), busy, len(jobs))
         chosen = f" ({len(cpus)} core(s), {busy:.1f} busy)"
     if args.workload == "alpaca-eval":
-        try:
-            pred, held_out = _alpaca()  # before forking: the workers inherit it
-        except FileNotFoundError as exc:
-            print(f"bearsdk demo: {exc}", file=sys.stderr)
-            return 2
+        from bearsdk.data import data_dir
+
+        # Missing data is a one-line error naming the data set and its source.
+        os.environ["BEARSDK_DATA"] = str(data_dir(args.data_dir, "alpaca-eval"))
+        pred, held_out = _alpaca()  # before forking: the workers inherit it
         rel = "with" if pred.relative is not None else "without"
         engines = ", ".join(f"{m} on {p}" for _, m, p in ALPACA_INSTANCES)
         what = (
@@ -748,7 +744,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="tasks",
         help="the paper's four tasks on the Qwen3 pool (default), or held-out AlpacaEval "
         "prompts with real judgements and answer lengths on the FuseChat-3.0 pool "
-        "(needs the shared data)",
+        "(needs the AlpacaEval data: --data-dir or BEARSDK_DATA, see docs/data.md)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder holding the data sets (default: $BEARSDK_DATA); only --workload alpaca-eval "
+        "reads it",
     )
     p.add_argument(
         "--seed",
