@@ -31,7 +31,8 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 import numpy as np
 
 from bearsdk.replay.types import (
-    MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult, StopReason, check_policy, check_table,
+    MAX_REPLAY_WORK as _MAX_REPLAY_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
+    StopReason, check_policy, check_running, check_table,
     check_tokens,
 )
 from bearsdk.snapshot import (
@@ -104,6 +105,7 @@ cdef int64_t NEVER_SCHEDULED = -((<int64_t>1) << 40)
 # boundary (check_table, check_tokens): sums of a few of them stay far from
 # int64 overflow, so the loop's arithmetic never wraps.
 MIN_ANY = -_MAX_TOKENS_PY
+cdef int64_t MAX_REPLAY_WORK_C = _MAX_REPLAY_WORK_PY
 # Column order and running state of bearsdk.snapshot (table_in_range reads
 # columns by position; a module-level check keeps them in step).
 assert (COL_STATE, COL_PROMPT, COL_COMPUTED, COL_OUTPUT, COL_PLACEHOLDERS, NCOLS) == (0, 1, 2, 3, 6, 7)
@@ -225,8 +227,12 @@ ctypedef struct State:
     int64_t vt           # vt of the next batch that serves the lazies
     int64_t step         # schedule() calls so far
     int64_t k            # non-empty batches so far
+    int64_t work         # MAX_REPLAY_WORK units so far (batches + requests touched)
+    int64_t max_work
     bint materialized
     bint force_slow
+    bint slow_until_b0   # force_slow only until the batch in flight at the snapshot lands
+    bint b0_done         # ... which it has
     # pipeline (depth 1 or 2) + the in-flight batch at the snapshot
     Batch ring[3]
     int64_t ring_head    # index of the oldest unprocessed batch
@@ -389,6 +395,7 @@ cdef void wq_remove(State* st, int32_t s) noexcept nogil:
     cdef int64_t i, j
     for i in range(st.wq_n):
         if wq_at(st, i) == s:
+            st.work += (st.wq_n - i) >> 4  # a shift: ~1 ns an entry, 1/16 of a unit
             for j in range(i, st.wq_n - 1):
                 st.wq[(st.wq_head + j) % st.wq_cap] = st.wq[(st.wq_head + j + 1) % st.wq_cap]
             st.wq_n -= 1
@@ -425,6 +432,7 @@ cdef inline void ro_remove(State* st, int32_t s) noexcept nogil:
 
 cdef void ex_remove(State* st, int32_t s) noexcept nogil:
     cdef int64_t i, j
+    st.work += st.n_ex >> 4  # a scan and a shift
     for i in range(st.n_ex):
         if st.ex[i] == s:
             for j in range(i, st.n_ex - 1):
@@ -489,6 +497,7 @@ cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) except
         st.n_grow += 1
     heap_push(&st.leave, q.served_until, s, q.gen)
     heap_push(&st.release, q.t_last, s, q.gen)
+    st.work += 4  # two heap events pushed, and popped later (valid or stale)
     return 0
 
 
@@ -499,6 +508,7 @@ cdef void unlazy(State* st, Alloc* a, Pipe* p, int32_t s) noexcept nogil:
     cdef int64_t served = imin(v, q.served_until + 1)  # vt values served so far, + base
     cdef int64_t last_served = served - 1
     cdef int64_t pending = q.obase + served
+    st.work += 1
     q.computed = q.base + served
     if last_served >= q.lazy_since:
         q.last_sched = st.step - (v - last_served)
@@ -635,6 +645,8 @@ cdef inline Batch* ring_prev(State* st) noexcept nogil:
 
 cdef inline void ring_pop(State* st, Alloc* a, Pipe* p) noexcept nogil:
     process(st, a, p, &st.ring[st.ring_head])
+    if st.slow_until_b0 and st.ring[st.ring_head].vt == -1:
+        st.b0_done = True
     st.ring_head = (st.ring_head + 1) % 3
     st.ring_n -= 1
 
@@ -647,6 +659,9 @@ cdef void materialize(State* st, Alloc* a, Pipe* p) noexcept nogil:
     cdef int32_t s
     if st.materialized:
         return
+    # The exact step costs O(running): materialising, serving in order, folding
+    # back (lazify and unlazy count their own heap events).
+    st.work += 2 * st.ro_n
     for i in range(st.ro_n):
         s = st.ro[i]
         if s >= 0 and R(st, s).lazy:
@@ -705,6 +720,7 @@ cdef int32_t ro_last(State* st) noexcept nogil:
 cdef int64_t unschedule(State* st, Batch* b, int32_t s) noexcept nogil:
     """Drop s from the batch being formed; return the tokens it had (0: none)."""
     cdef int64_t i, j, n
+    st.work += st.n_sched >> 2  # a scan and a shift of four arrays
     for i in range(st.n_sched):
         if st.sched[i] == s:
             R(st, s).in_batch = -1
@@ -1155,8 +1171,17 @@ cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) except -1 no
         b.vt = st.vt
         st.vt += 1
     after_schedule(st, a, p, b)
+    # Every batch walks what it scheduled and scans the partial prefills.
+    st.work += 1 + st.n_sched + (st.n_ex >> 3)
     if st.materialized:
         relazify(st, a, p, b)
+        if st.b0_done:
+            # The in-flight tokens that only the exact path models were
+            # delivered before this step, which folded every request back into
+            # the aggregate: from here on it applies.
+            st.force_slow = False
+            st.slow_until_b0 = False
+            st.b0_done = False
     st.unlazy_batch = NULL
     return 0
 
@@ -1302,6 +1327,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         st.free_blocks -= demand_over(st, st.vt, m)
     st.t += dt
     st.k += m
+    st.work += m if st.record else 1
     st.step += m
     st.vt += m
     # Async: the run's last batch is now the one in flight (the batches before it,
@@ -1348,6 +1374,8 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
             if prev == NULL or (prev.nsched == 0 and prev.n_rel == 0 and prev.n_stale == 0
                                 and not prev.sampled_any):
                 return R_NEVER
+        if st.work >= st.max_work:
+            return R_LIMIT
         if st.ring_n < depth:
             continue
         ring_pop(st, a, p)
@@ -1456,6 +1484,7 @@ cdef class Prepared:
     cdef int32_t* b0_samp  # prefilling requests with a token in the in-flight batch
     cdef int64_t n_b0_samp
     cdef bint exact        # rows the aggregate cannot model: replay on the exact path
+    cdef bint exact_b0     # ... until the batch in flight at the snapshot is processed
     cdef int64_t free_blocks
     cdef bint unlimited
     cdef bint has_inflight
@@ -1562,7 +1591,10 @@ cdef class Replayer:
         cdef const int64_t[:, ::1] T = tab
         if not table_in_range(T):
             check_table(tab)  # raises, naming the row, the column and the value
-        cdef int64_t n = T.shape[0], i, held = 0, freed = 0, lim, target, need
+        cdef int64_t n = T.shape[0], i, held = 0, freed = 0, lim, target, need, n_run = 0
+        for i in range(n):
+            n_run += T[i, COL_STATE] == STATE_RUNNING_C
+        check_running(self.policy, n_run)
         cdef bint is_async = (self.code // 2) % 2
         cdef int alloc = self.code // 4
         cdef Prepared pr = Prepared.__new__(Prepared)
@@ -1592,6 +1624,7 @@ cdef class Replayer:
         pr.has_inflight = False
         pr.b0_sampled = False
         pr.exact = False
+        pr.exact_b0 = False
         for i in range(n):
             if T[i, COL_OUTPUT_LEN] < 1:
                 raise ValueError(
@@ -1672,7 +1705,7 @@ cdef class Replayer:
                         pr.b0_samp[pr.n_b0_samp] = s
                         pr.n_b0_samp += 1
                         pr.b0_sampled = True
-                        pr.exact = True
+                        pr.exact_b0 = True
                     pr.ex[pr.n_ex] = s
                     pr.n_ex += 1
                     continue
@@ -1815,9 +1848,13 @@ cdef class Replayer:
         st.vt = 0
         st.step = 0
         st.k = 0
+        st.work = 0
+        st.max_work = MAX_REPLAY_WORK_C
         st.t = 0.0
         st.materialized = False
-        st.force_slow = self.force_slow or pr.exact
+        st.force_slow = self.force_slow or pr.exact or pr.exact_b0
+        st.slow_until_b0 = pr.exact_b0 and not (self.force_slow or pr.exact)
+        st.b0_done = False
         st.found = False
         st.record = record
         st.n_log = 0
@@ -1852,17 +1889,22 @@ cdef class Replayer:
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, 1_000_000)
-        return self.st.t if rc == R_FIRST_TOKEN else INFINITY
+        # At the work bound: the time replayed so far, a lower bound (as replay()).
+        return self.st.t if rc != R_NEVER else INFINITY
 
     def replay(self, Prepared prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1):
+               max_tokens=-1, max_work=None):
         """Replay batch formation until the new request's first token.
 
-        Same contract as the pure-Python twin's ``replay``.
+        Same contract as the pure-Python twin's ``replay``; ``max_work`` counts
+        this loop's units (default :data:`~bearsdk.replay.types.MAX_REPLAY_WORK`).
         """
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
+        cdef int64_t work = check_tokens(
+            _MAX_REPLAY_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record)
+        self.st.max_work = work
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, limit)
@@ -1872,8 +1914,13 @@ cdef class Replayer:
         if rc == R_FIRST_TOKEN:
             return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
         if rc == R_LIMIT:
-            return ReplayResult(0, float("inf"), StopReason.BATCH_LIMIT, batches)
+            return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
+
+    @property
+    def last_work(self):
+        """Work units (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`) of the latest replay."""
+        return self.st.work
 
     cdef list _records(self):
         cdef State* st = &self.st

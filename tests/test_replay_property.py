@@ -228,7 +228,8 @@ def tiny_workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
         max_tokens = draw(st.sampled_from([-1, total, total + 2]))
         if mml and max_tokens > mml - prompt:
             max_tokens = -1
-        if draw(st.booleans()):
+        # No engine runs more than max_num_seqs: the replay refuses such a state.
+        if sum(r[0] == 0 for r in rows) < pol.max_seqs and draw(st.booleans()):
             ph = draw(st.sampled_from([0, 0, 1, 1, 2, 3]))
             computed = draw(st.integers(0, prompt + out + ph))
             rows.append([0, prompt, computed, out, max_tokens, total, ph])

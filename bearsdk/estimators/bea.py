@@ -51,6 +51,17 @@ class TTFTEstimate:
     stop_reason: StopReason
     batches: tuple[BatchRecord, ...] | None = None
 
+    @property
+    def lower_bound(self) -> bool:
+        """``ttft_s`` is only a lower bound, not an estimate.
+
+        The replay reached its batch or work bound
+        (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`) before the first token:
+        ``ttft_s`` is the time of the batches replayed (plus the batch in
+        flight), and the true TTFT is at least that.
+        """
+        return self.stop_reason is StopReason.BATCH_LIMIT
+
 
 @attrs.frozen(eq=False)
 class PreparedSnapshot:
@@ -175,6 +186,9 @@ class BEAEstimator:
         max_tokens: int | None = None,
     ) -> float:
         """The hot path: predicted TTFT in seconds, nothing else (``inf`` when never).
+
+        A replay that reaches the work bound returns the lower bound it reached
+        (see :attr:`TTFTEstimate.lower_bound`): a long wait, ranked as such.
 
         Args:
             prepared: From :meth:`prepare`.

@@ -50,7 +50,12 @@ class BEALatencyEstimator:
         return self._cached[1]
 
     def estimate_ttft(self, request: RequestInfo, view: InstanceView) -> float:
-        """BEA's replayed TTFT, or the fallback's estimate without a usable snapshot."""
+        """BEA's replayed TTFT, or the fallback's estimate without a usable snapshot.
+
+        When the replay reaches its work bound this is the lower bound it
+        reached (:attr:`~bearsdk.estimators.bea.TTFTEstimate.lower_bound`): the
+        instance is ranked as at least that slow.
+        """
         snap = view.snapshot
         if snap is None or view.snapshot_age_s > self.max_snapshot_age_s:
             return self.fallback.estimate_ttft(request, view)

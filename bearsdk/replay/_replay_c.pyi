@@ -16,6 +16,8 @@ class Replayer:
     implementation: str
     policy: Policy
     force_slow: bool
+    @property
+    def last_work(self) -> int: ...
     def __init__(self, policy: Policy) -> None: ...
     def prepare(
         self,
@@ -40,4 +42,5 @@ class Replayer:
         record: bool = False,
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
+        max_work: int | None = None,
     ) -> ReplayResult: ...

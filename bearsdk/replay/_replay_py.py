@@ -23,11 +23,13 @@ import numpy as np
 import numpy.typing as npt
 
 from bearsdk.replay.types import (
+    MAX_REPLAY_WORK_PY,
     MAX_TOKENS,
     BatchRecord,
     ReplayResult,
     StopReason,
     check_policy,
+    check_running,
     check_table,
     check_tokens,
 )
@@ -236,6 +238,7 @@ class Replayer:
         if tab.ndim != 2 or tab.shape[1] != NCOLS:
             raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
         check_table(tab)
+        check_running(self.policy, int(np.count_nonzero(tab[:, COL_STATE] == STATE_RUNNING)))
         reqs: list[_Req] = []
         held = freed = 0
         has_inflight = False
@@ -332,6 +335,7 @@ class Replayer:
         record: bool = False,
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
+        max_work: int | None = None,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token.
 
@@ -345,18 +349,26 @@ class Replayer:
             record: Return the simulated batches.
             max_batches: Give up after this many batches.
             max_tokens: The new request's output cap (``-1``: none).
+            max_work: Give up after this much work: one unit per batch and per
+                request in it or in the running list (default
+                :data:`~bearsdk.replay.types.MAX_REPLAY_WORK_PY`).
 
         Returns:
-            The first-token batch, the summed batch times, and optionally the batches.
+            The first-token batch, the summed batch times, and optionally the
+            batches. A replay that gives up returns
+            :attr:`~bearsdk.replay.types.StopReason.BATCH_LIMIT` with the time of
+            the batches replayed: a lower bound of the TTFT.
         """
         prompt_tokens = check_tokens(prompt_tokens, "prompt_tokens", 1)
         output_len = check_tokens(output_len, "output_len", -MAX_TOKENS)
         max_tokens = check_tokens(max_tokens, "max_tokens", -MAX_TOKENS)
         max_batches = check_tokens(max_batches, "max_batches", -MAX_TOKENS)
+        work = MAX_REPLAY_WORK_PY if max_work is None else max_work
+        work = check_tokens(work, "max_work", -MAX_TOKENS)
         run = SchedulerCore._from_prepared(self, prepared, record, coeffs)
         new = self._make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
         run.waiting.append(new)
-        return run.go(new, max_batches)
+        return run.go(new, max_batches, work)
 
 
 class SchedulerCore:
@@ -530,24 +542,29 @@ class SchedulerCore:
 
     # -- engine loop --------------------------------------------------------
 
-    def go(self, new: _Req, max_batches: int) -> ReplayResult:
+    def go(self, new: _Req, max_batches: int, max_work: int) -> ReplayResult:
         depth = self.rp._depth
         k = 0
         t = 0.0
+        work = 0
         while True:
             batch = self.schedule()
+            # What this loop touches per batch: the running list and the batch.
+            work += 1 + len(self.running) + len(batch.sched)
             if batch.sched:
                 k += 1
                 dt = self.account(batch)
                 t += dt
                 if new in batch.sampled:
                     return ReplayResult(k, t, StopReason.FIRST_TOKEN, self._batches())
-                if k >= max_batches:
-                    return ReplayResult(0, math.inf, StopReason.BATCH_LIMIT, self._batches())
             elif all(q.inert() for q in self.queue):
                 # Nothing scheduled and nothing in flight that could free a seat
                 # or a block: the new request can never be served.
                 return ReplayResult(0, math.inf, StopReason.NEVER_ADMITTED, self._batches())
+            if (batch.sched and k >= max_batches) or work >= max_work:
+                # The batches so far happen before the first token: their time
+                # bounds the TTFT from below.
+                return ReplayResult(0, t, StopReason.BATCH_LIMIT, self._batches())
             self.queue.append(batch)
             if len(self.queue) < depth:
                 continue

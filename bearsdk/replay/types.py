@@ -15,12 +15,15 @@ if TYPE_CHECKING:
     from bearsdk.schedulers.spec import Policy
 
 __all__ = [
+    "MAX_REPLAY_WORK",
+    "MAX_REPLAY_WORK_PY",
     "MAX_TOKENS",
     "BatchRecord",
     "ReplayResult",
     "ReplayerProtocol",
     "StopReason",
     "check_policy",
+    "check_running",
     "check_table",
     "check_tokens",
 ]
@@ -31,6 +34,27 @@ MAX_TOKENS: Final = 1 << 40
 Both implementations refuse anything beyond it with the same ``ValueError``:
 the compiled loop computes in 64-bit integers, and sums of a few counts this
 size cannot overflow there.
+"""
+
+MAX_REPLAY_WORK: Final = 1 << 18
+"""Work after which the compiled replay gives up (:attr:`StopReason.BATCH_LIMIT`).
+
+One unit is one formed batch, or one request the batch touched one at a time
+(served, materialised, folded back, or shifted when a preemption reorders the
+queues); a unit costs about 25 ns, so a snapshot within the snapshot contract's
+bounds replays in under 10 ms whatever it holds. Realistic states stay far
+below it: the ``bearsdk bench replay`` scenarios take under 400 units, 1024
+running requests with 3000 waiting about 20 thousand.
+"""
+
+MAX_REPLAY_WORK_PY: Final = 64 * MAX_REPLAY_WORK
+"""The pure-Python twin's work bound, in its own units.
+
+The twin touches every running request in every batch (the compiled loop folds
+plain decodes into an aggregate), so one replay costs it more units than the
+compiled one; its bound is larger so that it never stops before the compiled
+loop on a replay the compiled loop finishes. The twins agree wherever neither
+reaches its bound.
 """
 
 # Column names as the snapshot contract spells them (bearsdk.snapshot.COLUMNS order).
@@ -140,6 +164,24 @@ def check_table(tab: npt.NDArray[np.int64]) -> None:
     )
 
 
+def check_running(p: Policy, running: int) -> None:
+    """Refuse a snapshot with more running requests than the policy has seats.
+
+    No engine runs more than ``max_num_seqs`` requests at once (vLLM stops
+    admitting at that many and preempts back into the waiting queue), so such a
+    state is forged or belongs to another configuration; replaying it would
+    serve the excess one request at a time in every batch.
+
+    Raises:
+        ValueError: The message names the field and both values.
+    """
+    if running > p.max_seqs:
+        raise ValueError(
+            f"requests: {running} running, more than the policy {p.name!r} "
+            f"runs at once (max_num_seqs {p.max_seqs})"
+        )
+
+
 class StopReason(enum.StrEnum):
     """Why a replay ended."""
 
@@ -149,7 +191,9 @@ class StopReason(enum.StrEnum):
     """Nothing can change any more and the new request is still not served
     (its prompt needs more KV blocks than the pool can ever free)."""
     BATCH_LIMIT = "batch-limit"
-    """The replay gave up after ``max_batches`` batches."""
+    """The replay gave up after ``max_batches`` batches or ``max_work`` units of
+    work (:data:`MAX_REPLAY_WORK`): its ``ttft_s`` is then a lower bound (the
+    time of the batches replayed), not an estimate."""
 
 
 @attrs.frozen
@@ -195,8 +239,10 @@ class ReplayResult:
         first_token_batch: 1-based index of the batch that completes the new
             request's prompt; ``0`` when the replay stopped before that.
         ttft_s: Sum of the eq. 12 times of batches ``1..first_token_batch``
-            (``inf`` when never reached). Excludes any batch in flight at the
-            snapshot; :class:`~bearsdk.BEAEstimator` adds that.
+            (``inf`` when never reached; with :attr:`StopReason.BATCH_LIMIT`, the
+            sum over the batches replayed: a lower bound of the TTFT). Excludes
+            any batch in flight at the snapshot; :class:`~bearsdk.BEAEstimator`
+            adds that.
         stop_reason: Why the replay ended.
         batches: The simulated batches, when requested.
     """
@@ -205,6 +251,11 @@ class ReplayResult:
     ttft_s: float
     stop_reason: StopReason
     batches: tuple[BatchRecord, ...] | None = None
+
+    @property
+    def lower_bound(self) -> bool:
+        """``ttft_s`` is only a lower bound (the replay stopped at a limit)."""
+        return self.stop_reason is StopReason.BATCH_LIMIT
 
 
 class ReplayerProtocol(Protocol):
@@ -242,6 +293,7 @@ class ReplayerProtocol(Protocol):
         record: bool = False,
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
+        max_work: int | None = None,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token."""
         ...
