@@ -233,7 +233,7 @@ def _mutate(rng: random.Random, doc: dict[str, Any], raws: list[str]) -> None:
         if rng.random() < 0.5:
             reqs[i], reqs[j] = reqs[j], reqs[i]
         else:
-            reqs.insert(j, dict(reqs[i]))
+            reqs.insert(j, copy.deepcopy(reqs[i]))
     elif k < 0.95 and rows:
         # A boundary number where the validation couples fields.
         r = rng.choice(rows)
@@ -634,8 +634,14 @@ def _in_process(
         for item in list(running):
             p, recv, rng = item
             if recv.poll(0.05):
-                with contextlib.suppress(EOFError):
+                try:
                     total.merge(recv.recv())
+                except EOFError:  # it died before sending its tally
+                    p.join()
+                    crashes.append(
+                        f"payloads {rng[0]}..{rng[1] - 1} (seed {seed}): worker exited "
+                        f"with {p.exitcode}"
+                    )
                 p.join()
                 running.remove(item)
                 progress(rng[1] - rng[0])
