@@ -301,3 +301,28 @@ def test_bench_fuzz_rejects_an_unknown_source() -> None:
     assert res.returncode == 2
     assert "unknown source 'nope'" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------------- found by bench fuzz
+
+INVALID_UTF8_IN_INFLIGHT = (
+    b'{"schema":"bear.snapshot/1","instance":"i0","seq":1,"time":1,"requests":[],'
+    b'"inflight":{"remaining_s":0.0,"ex\xc9\xc2tra":1}}'
+)
+
+
+@pytest.mark.skipif(len(decoders()) < 2, reason="the compiled decoder is not built")
+@pytest.mark.xfail(
+    strict=True,
+    reason="compiled scanner skips an unknown key of 'inflight' without checking its UTF-8 "
+    "(the reference rejects the document); found by bearsdk bench fuzz, payload(0, 225981)",
+)
+def test_decoders_agree_on_invalid_utf8_in_an_inflight_key() -> None:
+    outcomes = []
+    for dec in decoders().values():
+        try:
+            dec(INVALID_UTF8_IN_INFLIGHT)
+            outcomes.append("ok")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    assert outcomes == ["SnapshotError"] * len(outcomes)
