@@ -432,7 +432,7 @@ cdef inline void ro_remove(State* st, int32_t s) noexcept nogil:
 
 cdef void ex_remove(State* st, int32_t s) noexcept nogil:
     cdef int64_t i, j
-    st.work += st.n_ex >> 4  # a scan and a shift
+    st.work += st.n_ex >> 6  # a scan and a shift of one array: ~0.2 ns an entry
     for i in range(st.n_ex):
         if st.ex[i] == s:
             for j in range(i, st.n_ex - 1):
@@ -1172,7 +1172,7 @@ cdef int schedule(State* st, Alloc* a, Pipe* p, Count* c, Batch* b) except -1 no
         st.vt += 1
     after_schedule(st, a, p, b)
     # Every batch walks what it scheduled and scans the partial prefills.
-    st.work += 1 + st.n_sched + (st.n_ex >> 3)
+    st.work += 1 + st.n_sched + (st.n_ex >> 4)
     if st.materialized:
         relazify(st, a, p, b)
         if st.b0_done:
