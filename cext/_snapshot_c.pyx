@@ -602,7 +602,9 @@ cdef int scan_inflight(Cursor* c, double* remaining) except -2:
     if expect(c, 123) < 0 or peek(c, 125):
         return -1
     while True:
-        if scan_str(c, &key) < 0 or expect(c, 58) < 0:
+        # A non-ASCII key may be invalid UTF-8, which the reference rejects:
+        # defer rather than validate it here.
+        if scan_str(c, &key) < 0 or not key.ascii or expect(c, 58) < 0:
             return -1
         if key_is(&key, "remaining_s", 11):
             if found or scan_double(c, remaining, &is_null) < 0 or is_null:
