@@ -240,7 +240,12 @@ def _mutate(rng: random.Random, doc: dict[str, Any], raws: list[str]) -> None:
         f = rng.choice(("computed_tokens", "output_len", "max_tokens", "output_tokens"))
         base = r.get("prompt_tokens", 1) if f == "computed_tokens" else r.get("output_tokens", 0)
         if isinstance(base, int):
-            r[f] = base + rng.choice((-1, 0, 1, 2))
+            v = base + rng.choice((-1, 0, 1, 2))
+            if -(2**63) <= v < 2**64:
+                r[f] = v
+            else:  # beyond what orjson writes
+                raws.append(str(v))
+                r[f] = _Raw(raws[-1])
     else:
         doc["requests"] = _evil(rng, raws)
 
