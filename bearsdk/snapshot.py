@@ -44,6 +44,7 @@ __all__ = [
     "MAX_PLACEHOLDERS",
     "MAX_REQUESTS",
     "MAX_REQUEST_TOKENS",
+    "MAX_SNAPSHOT_BYTES",
     "MAX_TOTAL_TOKENS",
     "SCHEMA",
     "KVState",
@@ -100,6 +101,11 @@ MAX_ID_CHARS: Final = 1024
 """Characters of a request id, an instance name or an epoch."""
 MAX_INFLIGHT_S: Final = 3600.0
 """Seconds left of the batch in flight."""
+MAX_SNAPSHOT_BYTES: Final = 2 << 20
+"""Bytes of one snapshot document. The largest snapshot the other bounds allow
+in practice (4,096 requests with ids of a few dozen characters) is ~0.5 MB;
+parsing 2 MiB costs a few ms, where the 16 MiB the transports used to take cost
+~0.3 s to reject: the cap keeps every rejection fast."""
 
 _STATES: Final = {"running": STATE_RUNNING, "waiting": STATE_WAITING}
 _REQUEST_REQUIRED: Final = ("id", "state", "prompt_tokens", "computed_tokens", "output_tokens")

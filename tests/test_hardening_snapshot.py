@@ -27,6 +27,7 @@ from bearsdk.snapshot import (
     MAX_PLACEHOLDERS,
     MAX_REQUEST_TOKENS,
     MAX_REQUESTS,
+    MAX_SNAPSHOT_BYTES,
     MAX_TOTAL_TOKENS,
     decoders,
     snapshot_from_dict,
@@ -495,3 +496,25 @@ async def test_hostile_snapshots_through_a_source_leave_the_last_good_one(kind: 
         pub.close()
         await runner.cleanup()
     assert c.stats().rejected == {str(Reject.FIELD): len(hostile)}
+
+
+# ------------------------------------------------------- document size
+
+
+def test_a_document_beyond_the_size_cap_is_refused_unparsed() -> None:
+    c = cache()
+    assert c.offer_bytes(orjson.dumps(base())) is Outcome.ACCEPTED
+    good = c.entry
+    d = base(seq=6)
+    d["requests"][0]["id"] = "r"
+    # Valid JSON, valid fields: only its size is wrong (padding in whitespace).
+    data = orjson.dumps(d)[:-1] + b" " * MAX_SNAPSHOT_BYTES + b"}"
+    assert c.offer_bytes(data) is Outcome.REJECTED
+    assert c.entry is good
+    assert c.stats().rejected == {str(Reject.TOO_LARGE): 1}
+    assert str(MAX_SNAPSHOT_BYTES) in (c.stats().last_reject or "")
+    # Just under the cap, the same document is taken.
+    small = orjson.dumps(d)
+    assert c.offer_bytes(small[:-1] + b" " * (MAX_SNAPSHOT_BYTES - len(small)) + b"}") is (
+        Outcome.ACCEPTED
+    )

@@ -20,6 +20,7 @@ import anyio.abc
 import attrs
 
 from bearsdk.io.base import Backoff, SourceStats, _Health
+from bearsdk.snapshot import MAX_SNAPSHOT_BYTES
 from bearsdk.state.cache import Outcome, Reject
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class PollSource:
     interval_s: float = attrs.field(default=0.05, validator=_positive)
     timeout_s: float = attrs.field(default=1.0, validator=_positive)
     backoff: Backoff = attrs.field(factory=Backoff)
-    max_bytes: int = 16 << 20
+    max_bytes: int = MAX_SNAPSHOT_BYTES
     session: aiohttp.ClientSession | None = None
     _name: str = attrs.field(default="", alias="name")
     _health: _Health = attrs.field(init=False)
@@ -176,7 +177,7 @@ class PushSource:
     connect_timeout_s: float = attrs.field(default=2.0, validator=_positive)
     min_interval_ms: int = 0
     backoff: Backoff = attrs.field(factory=Backoff)
-    max_line_bytes: int = 16 << 20
+    max_line_bytes: int = MAX_SNAPSHOT_BYTES
     session: aiohttp.ClientSession | None = None
     _name: str = attrs.field(default="", alias="name")
     _health: _Health = attrs.field(init=False)

@@ -55,7 +55,7 @@ import orjson
 
 from bearsdk.errors import BearError, SnapshotError
 from bearsdk.io.base import Backoff, SnapshotSource, SourceStats, _Health
-from bearsdk.snapshot import decode_snapshot
+from bearsdk.snapshot import MAX_SNAPSHOT_BYTES, decode_snapshot
 from bearsdk.state.cache import Outcome, Reject, SnapshotCache
 
 if TYPE_CHECKING:
@@ -736,7 +736,7 @@ class RedisSource:
     stale_after_s: float = attrs.field(default=1.0, validator=_positive)
     recover_after_s: float = attrs.field(default=0.5, validator=_positive)
     check_s: float = attrs.field(default=0.05, validator=_positive)
-    max_bytes: int = attrs.field(default=16 << 20, validator=_count)
+    max_bytes: int = attrs.field(default=MAX_SNAPSHOT_BYTES, validator=_count)
     _name: str = attrs.field(default="", alias="name")
     _last: float = attrs.field(init=False, default=-math.inf)
     _alive_since: float = attrs.field(init=False, default=math.inf)

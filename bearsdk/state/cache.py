@@ -34,7 +34,7 @@ import anyio
 import attrs
 
 from bearsdk.errors import BearError, SnapshotError
-from bearsdk.snapshot import Snapshot, decode_snapshot
+from bearsdk.snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_snapshot
 
 if TYPE_CHECKING:
     from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
@@ -270,6 +270,15 @@ class SnapshotCache:
         Returns:
             What happened (truthy when the snapshot replaced the cached one).
         """
+        if len(data) > MAX_SNAPSHOT_BYTES:
+            # Every source passes through here: whatever a transport accepted,
+            # a document this large is refused before any parsing.
+            self.reject(
+                Reject.TOO_LARGE,
+                f"snapshot: must be <= {MAX_SNAPSHOT_BYTES} bytes (got {len(data)})",
+                source=source,
+            )
+            return Outcome.REJECTED
         try:
             snap = decode_snapshot(data)
         except SnapshotError as exc:
