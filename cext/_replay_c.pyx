@@ -1662,8 +1662,9 @@ cdef class Replayer:
                 if q.ph > 1:
                     # Several tokens in flight (speculative decoding, or a forged
                     # snapshot) may overshoot the request's end; only the exact
-                    # path serves the wasted token an engine schedules then.
-                    pr.exact = True
+                    # path serves the wasted token an engine schedules then
+                    # (until the batch in flight has landed).
+                    pr.exact_b0 = True
                 q.ro_pos = <int32_t>pr.ro_n
                 pr.ro[pr.ro_n] = <int32_t>i
                 pr.ro_n += 1
