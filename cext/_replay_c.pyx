@@ -342,6 +342,39 @@ cdef inline bint ev_valid(State* st, Ev* e) noexcept nogil:
     return R(st, e.slot).gen == e.gen
 
 
+cdef void heap_compact(State* st, EvQ* q) noexcept nogil:
+    """Drop the stale events of a heap and re-heapify it.
+
+    Every exact step re-lazifies the running requests, voiding their queued
+    events; left in place they pile up (millions in a preemption storm) and
+    every pop pays for the heap's depth. At most one event per request is
+    valid and (key, slot) orders them totally, so the pop order is unchanged.
+    """
+    cdef int64_t i, j = 0, k, c, n
+    cdef Ev e
+    for i in range(q.n_heap):
+        if ev_valid(st, &q.heap[i]):
+            q.heap[j] = q.heap[i]
+            j += 1
+    q.n_heap = j
+    n = j
+    for k in range(n // 2 - 1, -1, -1):
+        e = q.heap[k]
+        i = k
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            if c + 1 < n and ev_less(&q.heap[c + 1], &q.heap[c]):
+                c += 1
+            if not ev_less(&q.heap[c], &e):
+                break
+            q.heap[i] = q.heap[c]
+            i = c
+        q.heap[i] = e
+    st.work += n >> 2
+
+
 cdef Ev* evq_top(State* st, EvQ* q) noexcept nogil:
     """Smallest valid event, dropping stale ones; NULL when empty."""
     cdef Ev* a
@@ -498,6 +531,13 @@ cdef int lazify(State* st, Alloc* a, Pipe* p, int32_t s, int64_t pending) except
     heap_push(&st.leave, q.served_until, s, q.gen)
     heap_push(&st.release, q.t_last, s, q.gen)
     st.work += 4  # two heap events pushed, and popped later (valid or stale)
+    # Valid events number at most one per request: beyond twice that, compact
+    # (amortised O(1) a push; st.n_slots is 0 while a snapshot is prepared).
+    if st.n_slots > 0:
+        if st.leave.n_heap > 2 * st.n_slots + 64:
+            heap_compact(st, &st.leave)
+        if st.release.n_heap > 2 * st.n_slots + 64:
+            heap_compact(st, &st.release)
     return 0
 
 
