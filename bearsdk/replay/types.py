@@ -36,13 +36,13 @@ the compiled loop computes in 64-bit integers, and sums of a few counts this
 size cannot overflow there.
 """
 
-MAX_REPLAY_WORK: Final = 1 << 18
+MAX_REPLAY_WORK: Final = 1 << 19
 """Work after which the compiled replay gives up (:attr:`StopReason.BATCH_LIMIT`).
 
 One unit is one formed batch, or one request the batch touched one at a time
 (served, materialised, folded back, or shifted when a preemption reorders the
-queues); a unit costs about 25 ns, so a snapshot within the snapshot contract's
-bounds replays in under 10 ms whatever it holds. Realistic states stay far
+queues); a unit costs about 5-10 ns, so a snapshot within the snapshot
+contract's bounds replays in under 10 ms whatever it holds. Realistic states stay far
 below it: the ``bearsdk bench replay`` scenarios take under 400 units, 1024
 running requests with 3000 waiting about 20 thousand.
 """
