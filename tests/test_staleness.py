@@ -186,6 +186,18 @@ def test_overlay_adds_unseen_dispatches_in_order() -> None:
     assert view.kv.free_blocks == 3000 - 19
 
 
+def test_overlay_keeps_a_bounded_number_of_unseen_dispatches() -> None:
+    # A flood of (forged) dispatches from the bus forgets the oldest, never grows.
+    ov = DispatchOverlay(max_pending=3)
+    for i in range(10):
+        ov.add(Dispatch(f"d{i}", 100.0 + i, 10))
+    assert len(ov) == 3
+    assert [d.rid for d in ov] == ["d7", "d8", "d9"]
+    assert ov.expired == 7
+    with pytest.raises(ValueError, match="max_pending"):
+        DispatchOverlay(max_pending=0)
+
+
 def test_overlay_reconciles_with_snapshots() -> None:
     ov = DispatchOverlay(expire_s=5.0)
     for rid, t in (("q1", 100.0), ("q2", 100.1), ("q3", 100.2), ("q4", 90.0)):

@@ -22,7 +22,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from bearsdk.snapshot import NCOLS, STATE_RUNNING, STATE_WAITING, KVState, Snapshot
+from bearsdk.snapshot import (
+    MAX_REQUESTS,
+    NCOLS,
+    STATE_RUNNING,
+    STATE_WAITING,
+    KVState,
+    Snapshot,
+)
 
 __all__ = ["Dispatch", "DispatchOverlay"]
 
@@ -86,11 +93,16 @@ class DispatchOverlay:
         expire_s: Unseen dispatches older than this (relative to the newest
             snapshot's capture) are forgotten (finished unseen, or ids that never match).
         match_substring: A snapshot id containing the router's id shows it.
+        max_pending: At most this many unseen dispatches are kept; beyond it the
+            oldest is forgotten (counted as expired). Other replicas' events come
+            from the bus, so a flood of forged ones must not grow the router
+            without bound; the default is the most requests a snapshot may hold.
     """
 
     grace_s: float = attrs.field(default=0.05, validator=_non_negative)
     expire_s: float = attrs.field(default=30.0, validator=_non_negative)
     match_substring: bool = True
+    max_pending: int = attrs.field(default=MAX_REQUESTS, validator=attrs.validators.ge(1))
     _pending: dict[str, Dispatch] = attrs.field(init=False, factory=dict)
     _version: int = attrs.field(init=False, default=0)
     _shown: int = attrs.field(init=False, default=0)
@@ -132,6 +144,10 @@ class DispatchOverlay:
             v = getattr(dispatch, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (got {v!r})")
+        if len(self._pending) >= self.max_pending:
+            # Dicts keep insertion order: the first key is the oldest dispatch.
+            del self._pending[next(iter(self._pending))]
+            self._expired += 1
         self._pending[dispatch.rid] = dispatch
         self._version += 1
 
