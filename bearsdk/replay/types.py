@@ -11,6 +11,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.errors import short_repr
+from bearsdk.snapshot import COLUMNS
+
 if TYPE_CHECKING:
     from bearsdk.schedulers.spec import Policy
 
@@ -57,23 +60,8 @@ loop on a replay the compiled loop finishes. The twins agree wherever neither
 reaches its bound.
 """
 
-# Column names as the snapshot contract spells them (bearsdk.snapshot.COLUMNS order).
-_COLUMNS: Final = (
-    "state",
-    "prompt_tokens",
-    "computed_tokens",
-    "output_tokens",
-    "max_tokens",
-    "output_len",
-    "placeholders",
-)
 # Lowest value accepted per column (max_tokens <= 0 means "none").
 _COLUMN_MIN: Final = (0, 1, 0, 0, -MAX_TOKENS, -MAX_TOKENS, 0)
-
-
-def _short(v: object) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def check_tokens(value: object, name: str, minimum: int) -> int:
@@ -86,11 +74,11 @@ def check_tokens(value: object, name: str, minimum: int) -> int:
     try:
         v = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"{name} must be an integer (got {_short(value)})") from None
+        raise ValueError(f"{name} must be an integer (got {short_repr(value)})") from None
     if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum} (got {_short(v)})")
+        raise ValueError(f"{name} must be >= {minimum} (got {short_repr(v)})")
     if v > MAX_TOKENS:
-        raise ValueError(f"{name} must be <= 2**40 (got {_short(v)})")
+        raise ValueError(f"{name} must be <= 2**40 (got {short_repr(v)})")
     return v
 
 
@@ -112,7 +100,7 @@ def check_policy(p: Policy) -> None:
     if not 1 <= p.block_size <= MAX_REPLAY_BLOCK_SIZE:
         raise ValueError(
             f"policy {p.name!r}: block_size must be in [1, {MAX_REPLAY_BLOCK_SIZE}] "
-            f"(got {_short(p.block_size)})"
+            f"(got {short_repr(p.block_size)})"
         )
     fields = (
         ("token_budget", p.token_budget, 1),
@@ -126,7 +114,7 @@ def check_policy(p: Policy) -> None:
     for name, v, lo in fields:
         if not lo <= v <= MAX_TOKENS:
             raise ValueError(
-                f"policy {p.name!r}: {name} must be in [{lo}, 2**40] (got {_short(v)})"
+                f"policy {p.name!r}: {name} must be in [{lo}, 2**40] (got {short_repr(v)})"
             )
 
 
@@ -155,7 +143,7 @@ def check_table(tab: npt.NDArray[np.int64]) -> None:
         v = int(tab[i, j])
         hi = 1 if j == 0 else MAX_TOKENS
         raise ValueError(
-            f"row {i}: {_COLUMNS[j]} must be in [{_COLUMN_MIN[j]}, {hi}] (got {_short(v)})"
+            f"row {i}: {COLUMNS[j]} must be in [{_COLUMN_MIN[j]}, {hi}] (got {short_repr(v)})"
         )
     i = int(np.argmax(over))
     raise ValueError(
