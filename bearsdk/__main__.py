@@ -5,7 +5,7 @@ import sys
 try:
     from bearsdk.cli import main
 except KeyboardInterrupt:
-    # Ctrl-C while the package loads (half a second): the same one line as later on.
+    # Ctrl-C while the command line loads: the same one line as later on.
     print("bearsdk: interrupted", file=sys.stderr)
     sys.exit(130)
 
