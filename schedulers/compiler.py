@@ -61,7 +61,9 @@ def compile_policy(p: Policy, implementation: str | None = None) -> Replayer:
     Raises:
         KeyError: The requested implementation is not available.
     """
-    # Imported here: the replay package imports this one's spec module.
+    # Imported when first called, so that reading and validating specs does
+    # not load the replay and its compiled extension. (The replay imports
+    # nothing of this package at runtime: no cycle is hidden here.)
     from bearsdk.replay import IMPLEMENTATION, implementations
 
     impl = implementation or IMPLEMENTATION

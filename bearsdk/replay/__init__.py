@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING
 from bearsdk.replay import _replay_py
 from bearsdk.replay._replay_py import ScheduledBatch, SchedulerCore, StepOutput
 from bearsdk.replay.types import BatchRecord, ReplayerProtocol, ReplayResult, StopReason
-from bearsdk.schedulers.spec import Policy
+
+if TYPE_CHECKING:
+    # Typing only: the scheduler package compiles specs for the replay and so
+    # imports it; the replay just runs the bound Policy it is handed.
+    from bearsdk.schedulers.spec import Policy
 
 __all__ = [
     "IMPLEMENTATION",
@@ -37,9 +41,8 @@ __all__ = [
 _FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
 _NO_EXT = _FLAG not in {"", "0", "no", "false"}
 
-ReplayerFactory = Callable[[Policy], ReplayerProtocol]
-
 if TYPE_CHECKING:
+    ReplayerFactory = Callable[[Policy], ReplayerProtocol]
     Replayer = ReplayerProtocol
 else:
     Replayer = _replay_py.Replayer

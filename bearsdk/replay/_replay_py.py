@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +33,6 @@ from bearsdk.replay.types import (
     check_table,
     check_tokens,
 )
-from bearsdk.schedulers.spec import Policy
 from bearsdk.snapshot import (
     COL_COMPUTED,
     COL_MAX_TOKENS,
@@ -45,6 +44,11 @@ from bearsdk.snapshot import (
     NCOLS,
     STATE_RUNNING,
 )
+
+if TYPE_CHECKING:
+    # Typing only: the scheduler package compiles specs for the replay, not
+    # the reverse.
+    from bearsdk.schedulers.spec import Policy
 
 __all__ = [
     "IMPLEMENTATION",
