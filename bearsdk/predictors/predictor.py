@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from bearsdk.predictors import _impl
+from bearsdk.predictors import _archive, _impl
 from bearsdk.predictors._forest import TreeEnsemble
 from bearsdk.predictors.errors import PredictorError, PredictorFormatError
 from bearsdk.predictors.features import FeaturePipeline
@@ -478,9 +478,7 @@ class Predictor:
         Returns:
             The file written.
         """
-        from bearsdk.predictors.serialize import save_predictor
-
-        return save_predictor(self, path)
+        return _archive.save_predictor(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> Predictor:
@@ -490,9 +488,7 @@ class Predictor:
             PredictorFormatError: Missing, corrupt or truncated file, or a file
                 of another format or feature version.
         """
-        from bearsdk.predictors.serialize import load_predictor
-
-        return load_predictor(path)
+        return _archive.decode(*_archive.read_file(path), Predictor)
 
     @classmethod
     def load_default(cls) -> Predictor:
@@ -501,7 +497,6 @@ class Predictor:
         It is a placeholder so that demos run without a training step: retrain on
         your own evaluations with ``bearsdk train``.
         """
-        from bearsdk.predictors.serialize import decode_predictor
-
         ref = _default_path()
-        return decode_predictor(ref.read_bytes(), f"<bearsdk>/predictors/data/{DEFAULT_PREDICTOR}")
+        where = f"<bearsdk>/predictors/data/{DEFAULT_PREDICTOR}"
+        return _archive.decode(ref.read_bytes(), where, Predictor)
