@@ -21,9 +21,7 @@ every error message. ``BEARSDK_NO_EXTENSIONS=1`` selects the reference alone;
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -32,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from bearsdk import _twins
 from bearsdk.errors import SnapshotError, short_repr
 
 __all__ = [
@@ -533,23 +532,21 @@ def _snapshot_from_parts(parts: tuple[Any, ...]) -> Snapshot:
     )
 
 
-_FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
 _scan: Callable[[object], tuple[Any, ...] | None] | None = None
-if _FLAG in {"", "0", "no", "false"}:
-    with contextlib.suppress(ImportError):  # built without extensions
-        from bearsdk._snapshot_c import _set_limits
-        from bearsdk._snapshot_c import decode as _scan
+if _twins.compiled("bearsdk._snapshot_c") is not None:
+    from bearsdk._snapshot_c import _set_limits
+    from bearsdk._snapshot_c import decode as _scan
 
-        _set_limits(
-            MAX_BLOCK_SIZE,
-            MAX_NUM_BLOCKS,
-            MAX_REQUEST_TOKENS,
-            MAX_PLACEHOLDERS,
-            MAX_REQUESTS,
-            MAX_TOTAL_TOKENS,
-            MAX_ID_CHARS,
-            MAX_INFLIGHT_S,
-        )
+    _set_limits(
+        MAX_BLOCK_SIZE,
+        MAX_NUM_BLOCKS,
+        MAX_REQUEST_TOKENS,
+        MAX_PLACEHOLDERS,
+        MAX_REQUESTS,
+        MAX_TOTAL_TOKENS,
+        MAX_ID_CHARS,
+        MAX_INFLIGHT_S,
+    )
 
 
 def _decode_c(data: bytes | bytearray | memoryview | str) -> Snapshot:

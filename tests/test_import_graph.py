@@ -17,7 +17,8 @@ How an import becomes edges:
   inside ``P``, since the name exists only once that ``__init__`` has run so
   far.
 * Imports under ``if TYPE_CHECKING:`` never execute and do not count; a
-  constant ``importlib.import_module("bearsdk....")`` does.
+  constant ``importlib.import_module("bearsdk....")`` does, and so does
+  ``_twins.compiled("bearsdk....")`` / ``_twins.available(...)``.
 
 ``bearsdk/schedulers`` is a link to the top-level ``schedulers/`` folder; its
 files are walked as ``bearsdk.schedulers.*``, the name the package uses. The
@@ -148,7 +149,8 @@ def _targets(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute | ast.Name)
             and (getattr(node.func, "attr", None) or getattr(node.func, "id", None))
-            == "import_module"
+            # bearsdk._twins loads a compiled module by name, as import_module does.
+            in {"import_module", "compiled", "available"}
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)

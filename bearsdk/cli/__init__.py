@@ -225,16 +225,14 @@ def writable_dir(path: str, what: str = "output folder") -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every sub-command registered."""
-    from bearsdk import __version__
-    from bearsdk.replay import IMPLEMENTATION
+    from bearsdk import __version__, _twins
 
     parser = ArgumentParser(
         prog="bearsdk",
         description="Latency-aware LLM routing: BEA time-to-first-token replay and BEAR routing.",
     )
-    parser.add_argument(
-        "--version", action="version", version=f"bearsdk {__version__} (replay: {IMPLEMENTATION})"
-    )
+    twins = ", ".join(f"{pair}: {impl}" for pair, impl in _twins.loaded().items())
+    parser.add_argument("--version", action="version", version=f"bearsdk {__version__} ({twins})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):

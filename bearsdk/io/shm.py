@@ -46,6 +46,7 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _twins
 from bearsdk.io import _shm_py
 from bearsdk.io.base import Backoff, SourceStats, _Health
 from bearsdk.state.cache import Outcome, Reject
@@ -77,26 +78,18 @@ _HEAD = struct.Struct("=8sII")  # magic, version, header size
 _OFF_CAPACITY: Final = 32
 _OFF_OVERSIZE: Final = 40
 
-_FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
-_NO_EXT = _FLAG not in {"", "0", "no", "false"}
-
 
 def implementations() -> dict[str, ModuleType]:
     """Every importable seqlock implementation by name (tests run against each)."""
     out: dict[str, ModuleType] = {"python": _shm_py}
-    try:
-        from bearsdk.io import _shm_c
-    except ImportError:
-        return out
-    out["cython"] = _shm_c
+    compiled = _twins.available("bearsdk.io._shm_c")
+    if compiled is not None:
+        out["cython"] = compiled
     return out
 
 
 def _default_impl() -> ModuleType:
-    impls = implementations()
-    if _NO_EXT:
-        return impls["python"]
-    return impls.get("cython", impls["python"])
+    return _twins.compiled("bearsdk.io._shm_c") or _shm_py
 
 
 _IMPL: Final = _default_impl()

@@ -13,8 +13,6 @@ extensions). :data:`IMPLEMENTATION` says which one is loaded.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +20,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk import _twins
 from bearsdk.predictors import _features_py, _forest_py
 
 __all__ = [
@@ -35,13 +34,6 @@ __all__ = [
     "implementations",
     "predict_pool",
 ]
-
-_NO_EXT = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower() not in (
-    "",
-    "0",
-    "false",
-    "no",
-)
 
 if TYPE_CHECKING:
     from bearsdk.predictors._features_py import (
@@ -57,15 +49,14 @@ else:
     add_linear = _features_py.add_linear
     hash_counts = _features_py.hash_counts
     predict_pool = _features_py.predict_pool
-    if not _NO_EXT:
-        with contextlib.suppress(ImportError):  # built without extensions
-            from bearsdk.predictors._features_c import (
-                FeatureExtractor,
-                Forest,
-                add_linear,
-                hash_counts,
-                predict_pool,
-            )
+    if _twins.compiled("bearsdk.predictors._features_c") is not None:
+        from bearsdk.predictors._features_c import (
+            FeatureExtractor,
+            Forest,
+            add_linear,
+            hash_counts,
+            predict_pool,
+        )
 
 IMPLEMENTATION: str = FeatureExtractor.implementation
 """``"cython"`` or ``"python"``: the implementation the predictors use."""

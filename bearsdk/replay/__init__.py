@@ -11,11 +11,10 @@ extensions). :data:`IMPLEMENTATION` says which one is loaded.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from bearsdk import _twins
 from bearsdk.replay import _replay_py
 from bearsdk.replay._replay_py import ScheduledBatch, SchedulerCore, StepOutput
 from bearsdk.replay.types import BatchRecord, ReplayerProtocol, ReplayResult, StopReason
@@ -38,17 +37,12 @@ __all__ = [
     "implementations",
 ]
 
-_FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
-_NO_EXT = _FLAG not in {"", "0", "no", "false"}
-
 if TYPE_CHECKING:
     ReplayerFactory = Callable[[Policy], ReplayerProtocol]
     Replayer = ReplayerProtocol
 else:
-    Replayer = _replay_py.Replayer
-    if not _NO_EXT:
-        with contextlib.suppress(ImportError):  # built without extensions
-            from bearsdk.replay._replay_c import Replayer
+    _compiled = _twins.compiled("bearsdk.replay._replay_c")
+    Replayer = _replay_py.Replayer if _compiled is None else _compiled.Replayer
 
 IMPLEMENTATION: str = str(getattr(Replayer, "implementation", _replay_py.IMPLEMENTATION))
 """``"cython"`` or ``"python"``: the implementation :class:`Replayer` refers to."""
@@ -57,9 +51,7 @@ IMPLEMENTATION: str = str(getattr(Replayer, "implementation", _replay_py.IMPLEME
 def implementations() -> dict[str, ReplayerFactory]:
     """Return every importable implementation by name (tests run against each)."""
     out: dict[str, ReplayerFactory] = {"python": _replay_py.Replayer}
-    try:
-        import bearsdk.replay._replay_c as compiled
-    except ImportError:
-        return out
-    out["cython"] = compiled.Replayer
+    compiled = _twins.available("bearsdk.replay._replay_c")
+    if compiled is not None:
+        out["cython"] = compiled.Replayer
     return out

@@ -30,7 +30,6 @@ thousandth) and counted in :meth:`Publisher.stats`.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import Any, Final
 
 import attrs
 
+from bearsdk import _twins
 from bearsdk.vllm import _pub_py
 from bearsdk.vllm.config import PublisherConfig
 from bearsdk.vllm.transports import FileTransport, ShmTransport, Transport
@@ -55,8 +55,6 @@ __all__ = [
 
 log = logging.getLogger("bearsdk.vllm")
 
-_FLAG = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip().lower()
-_NO_EXT = _FLAG not in {"", "0", "no", "false"}
 _LOG_FIRST: Final = 3
 INLINE_DOCUMENT: Final = 1
 INLINE_BATCHES: Final = 2
@@ -65,19 +63,14 @@ INLINE_BATCHES: Final = 2
 def implementations() -> dict[str, ModuleType]:
     """Every importable capture implementation by name (tests run against each)."""
     out: dict[str, ModuleType] = {"python": _pub_py}
-    try:
-        from bearsdk.vllm import _pub_c
-    except ImportError:
-        return out
-    out["cython"] = _pub_c
+    compiled = _twins.available("bearsdk.vllm._pub_c")
+    if compiled is not None:
+        out["cython"] = compiled
     return out
 
 
 def _default() -> ModuleType:
-    impls = implementations()
-    if _NO_EXT:
-        return impls["python"]
-    return impls.get("cython", impls["python"])
+    return _twins.compiled("bearsdk.vllm._pub_c") or _pub_py
 
 
 IMPLEMENTATION: Final[str] = str(_default().IMPLEMENTATION)
