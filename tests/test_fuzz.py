@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from bearsdk.bench import fuzz
 from bearsdk.bench.fuzz import Harness, Tally, payload
+from bearsdk.replay import implementations
 from bearsdk.snapshot import decoders
 from bearsdk.state import SnapshotCache
 
@@ -325,7 +326,7 @@ def test_decoders_agree_on_invalid_utf8_in_an_inflight_key() -> None:
     assert outcomes == ["SnapshotError"] * len(outcomes)
 
 
-@pytest.mark.skipif(len(fuzz.implementations()) < 2, reason="the compiled replay is not built")
+@pytest.mark.skipif(len(implementations()) < 2, reason="the compiled replay is not built")
 # Found by bearsdk bench fuzz --seed 1: the compiled replay stopped at its work
 # bound (a lower bound) where the twin answered; the event heaps' compaction and a
 # 2**19 bound let both answer.
