@@ -317,25 +317,26 @@ cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nog
     return 0
 
 
-cdef void heap_pop(EvQ* q) noexcept nogil:
-    cdef int64_t i = 0, c, n
-    cdef Ev last
-    q.n_heap -= 1
-    n = q.n_heap
-    if n == 0:
-        return
-    last = q.heap[n]
+cdef inline void sift_down(EvQ* q, int64_t i, Ev e) noexcept nogil:
+    # Place e at slot i of the first q.n_heap entries, moving smaller children up.
+    cdef int64_t c, n = q.n_heap
     while True:
         c = 2 * i + 1
         if c >= n:
             break
         if c + 1 < n and ev_less(&q.heap[c + 1], &q.heap[c]):
             c += 1
-        if not ev_less(&q.heap[c], &last):
+        if not ev_less(&q.heap[c], &e):
             break
         q.heap[i] = q.heap[c]
         i = c
-    q.heap[i] = last
+    q.heap[i] = e
+
+
+cdef void heap_pop(EvQ* q) noexcept nogil:
+    q.n_heap -= 1
+    if q.n_heap > 0:
+        sift_down(q, 0, q.heap[q.n_heap])
 
 
 cdef inline bint ev_valid(State* st, Ev* e) noexcept nogil:
@@ -350,8 +351,7 @@ cdef void heap_compact(State* st, EvQ* q) noexcept nogil:
     every pop pays for the heap's depth. At most one event per request is
     valid and (key, slot) orders them totally, so the pop order is unchanged.
     """
-    cdef int64_t i, j = 0, k, c, n
-    cdef Ev e
+    cdef int64_t i, j = 0, k, n
     for i in range(q.n_heap):
         if ev_valid(st, &q.heap[i]):
             q.heap[j] = q.heap[i]
@@ -359,19 +359,7 @@ cdef void heap_compact(State* st, EvQ* q) noexcept nogil:
     q.n_heap = j
     n = j
     for k in range(n // 2 - 1, -1, -1):
-        e = q.heap[k]
-        i = k
-        while True:
-            c = 2 * i + 1
-            if c >= n:
-                break
-            if c + 1 < n and ev_less(&q.heap[c + 1], &q.heap[c]):
-                c += 1
-            if not ev_less(&q.heap[c], &e):
-                break
-            q.heap[i] = q.heap[c]
-            i = c
-        q.heap[i] = e
+        sift_down(q, k, q.heap[k])
     st.work += n >> 2
 
 
