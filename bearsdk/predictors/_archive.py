@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from bearsdk.predictors._forest import TreeEnsemble
+from bearsdk.predictors._forest import ARRAY_FIELDS, TreeEnsemble
 from bearsdk.predictors.errors import PredictorError, PredictorFormatError
 from bearsdk.predictors.features import FEATURE_VERSION, FeaturePipeline
 from bearsdk.predictors.pool import pool_from_dicts
@@ -219,23 +219,7 @@ def _decode(zf: zipfile.ZipFile, cls: type[Predictor]) -> Predictor:
     for name, head in meta["heads"].items():
         if not isinstance(head, dict):
             raise PredictorFormatError(f"heads.{name}", "must be a JSON object")
-        arrays = {
-            field: _array(zf, f"heads/{name}/{field}.npy")
-            for field in (
-                "base",
-                "feature",
-                "threshold",
-                "decision",
-                "left",
-                "right",
-                "cat_offset",
-                "cat_nwords",
-                "cat_words",
-                "leaf_value",
-                "node_start",
-                "leaf_start",
-            )
-        }
+        arrays = {field: _array(zf, f"heads/{name}/{field}.npy") for field in ARRAY_FIELDS}
         n_features = head.get("n_features")
         if not isinstance(n_features, int) or isinstance(n_features, bool):
             raise PredictorFormatError(f"heads.{name}.n_features", "must be an int", n_features)

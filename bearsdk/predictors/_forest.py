@@ -18,12 +18,12 @@ import numpy.typing as npt
 
 from bearsdk.predictors.errors import PredictorFormatError
 
-__all__ = ["SUPPORTED_OBJECTIVES", "TreeEnsemble"]
+__all__ = ["ARRAY_FIELDS", "SUPPORTED_OBJECTIVES", "TreeEnsemble"]
 
 SUPPORTED_OBJECTIVES: Final = ("regression", "huber", "quantile")
 """Objectives whose prediction is the raw score (no output transform)."""
 
-_ARRAY_FIELDS: Final = (
+ARRAY_FIELDS: Final = (
     "feature",
     "threshold",
     "decision",
@@ -37,6 +37,7 @@ _ARRAY_FIELDS: Final = (
     "leaf_start",
     "base",
 )
+"""The arrays a tree ensemble is made of (and stored as, one file each)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -107,7 +108,7 @@ class TreeEnsemble:
     def arrays(self) -> dict[str, npt.NDArray[np.generic]]:
         """Return the arrays by field name (the serialised form, with :attr:`objective`,
         :attr:`n_features` and :attr:`base_feature` kept by the caller)."""
-        return {name: getattr(self, name) for name in _ARRAY_FIELDS}
+        return {name: getattr(self, name) for name in ARRAY_FIELDS}
 
     def evaluator_args(self) -> dict[str, Any]:
         """Return the keyword arguments of either implementation's ``Forest``."""
