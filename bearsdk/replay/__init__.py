@@ -5,6 +5,10 @@ Two implementations honour one contract:
 * ``_replay_c`` (built from ``cext/_replay_c.pyx``): the compiled loop, used by default.
 * ``_replay_py``: the pure-Python twin, the readable reference and the test oracle.
 
+The twin runs the live scheduler (:mod:`bearsdk.replay.scheduler`,
+:class:`SchedulerCore`, which the emulator, the simulator and fast-forward also
+run) in zero time; the request state both share is in :mod:`bearsdk.replay.requests`.
+
 Setting ``BEARSDK_NO_EXTENSIONS=1`` selects the twin (as does a build without
 extensions). :data:`IMPLEMENTATION` says which one is loaded.
 """
@@ -16,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from bearsdk import _twins
 from bearsdk.replay import _replay_py
-from bearsdk.replay._replay_py import ScheduledBatch, SchedulerCore, StepOutput
+from bearsdk.replay.scheduler import ScheduledBatch, SchedulerCore, StepOutput
 from bearsdk.replay.types import BatchRecord, ReplayerProtocol, ReplayResult, StopReason
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 An old snapshot shows requests that have since made progress, finished, or been
 joined by new arrivals. :class:`FastForward` rebuilds the instance's scheduler
-(:class:`~bearsdk.replay.SchedulerCore`, the pure-Python twin of the replay)
+(:class:`~bearsdk.replay.SchedulerCore`, the live scheduler the replay runs)
 from the snapshot, with output lengths predicted where unknown, and runs it in
 virtual time with the instance's eq. 12 batch-time model, adding this router's
 own dispatches as arrivals at their dispatch times. :meth:`FastForward.at`
@@ -36,7 +36,7 @@ import numpy.typing as npt
 from bearsdk.estimators.bea import BEAEstimator
 from bearsdk.estimators.length import resolve_output_lengths
 from bearsdk.replay import SchedulerCore
-from bearsdk.replay._replay_py import Replayer as PyReplayer
+from bearsdk.replay.requests import PolicyGeometry
 from bearsdk.snapshot import (
     COL_OUTPUT,
     COL_OUTPUT_LEN,
@@ -108,7 +108,7 @@ class FastForward:
         if snap.kv is not None:
             pol = pol.with_kv(snap.kv.block_size, snap.kv.num_blocks)
             free = snap.kv.free_blocks
-        rp = PyReplayer(pol)
+        geo = PolicyGeometry(pol)
         lengths = est.length_predictor
         table = resolve_output_lengths(snap.table, lengths, snap.ids)
         # Duck-typed (KnownLengths): a protocol isinstance check costs microseconds.
@@ -116,10 +116,8 @@ class FastForward:
         if self._known is not None and len(snap.ids):
             known = self._known(snap.ids, snap.table[:, COL_OUTPUT])
             self._pinned = {rid for rid, k in zip(snap.ids, known.tolist(), strict=True) if k > 0}
-        prepared = rp.prepare(table, free, snap.ids)
-        # SchedulerCore has no public constructor from prepared state yet; this
-        # is the one the replay itself uses.
-        core = SchedulerCore._from_prepared(rp, prepared, False, est.batch_time.coeffs)
+        prepared = geo.prepare(table, free, snap.ids)
+        core = SchedulerCore.from_prepared(geo, prepared, False, est.batch_time.coeffs)
         core.requests = {r.rid: r for r in (*core.running, *core.waiting)}
         self._core = core
         self._depth = 2 if pol.async_scheduling else 1

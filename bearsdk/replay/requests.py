@@ -1,0 +1,239 @@
+"""Request state and KV geometry shared by the live scheduler and the replay twin.
+
+:class:`~bearsdk.replay.scheduler.SchedulerCore` keeps one :class:`Req` per
+resident request and asks :class:`PolicyGeometry` how a bound policy counts
+blocks and caps outputs. The pure-Python replay (``_replay_py``) turns a
+snapshot table into :class:`Prepared` state with :meth:`PolicyGeometry.prepare`
+and runs the scheduler from it; the simulator, the emulator and fast-forward
+run the same scheduler live. Nothing here is twinned: the compiled loop has its
+own representation of all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.replay.types import check_policy, check_running, check_table
+from bearsdk.snapshot import (
+    COL_COMPUTED,
+    COL_MAX_TOKENS,
+    COL_OUTPUT,
+    COL_OUTPUT_LEN,
+    COL_PLACEHOLDERS,
+    COL_PROMPT,
+    COL_STATE,
+    NCOLS,
+    STATE_RUNNING,
+)
+
+if TYPE_CHECKING:
+    # Typing only: the scheduler package compiles specs for the replay, not
+    # the reverse.
+    from bearsdk.schedulers.spec import Policy
+
+__all__ = [
+    "FINISHED",
+    "NEW_REQUEST_ID",
+    "RUNNING",
+    "WAITING",
+    "PolicyGeometry",
+    "Prepared",
+    "Req",
+    "cdiv",
+]
+
+RUNNING: Final = 0
+WAITING: Final = 1
+FINISHED: Final = 2
+NEW_REQUEST_ID: Final = "<new>"
+"""The id a replay gives the request it predicts for."""
+
+UNCAPPED: Final = 1 << 62
+"""The output limit of a request with neither ``max_tokens`` nor a context cap."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class Req:
+    """Mutable per-request state inside a scheduler."""
+
+    __slots__ = (
+        "blocks",
+        "computed",
+        "inflight",
+        "limit",
+        "outputs",
+        "ph",
+        "prefilled",
+        "prompt",
+        "rid",
+        "status",
+        "target",
+    )
+
+    def __init__(self, rid: str, prompt: int, outputs: int, target: int, limit: int) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.outputs = outputs  # output tokens delivered so far
+        self.target = target  # output tokens at which the request finishes
+        self.limit = limit  # output count the scheduler knows it stops at (max_tokens, context)
+        self.computed = 0
+        self.ph = 0  # async placeholders: sampled tokens in flight
+        self.inflight = 0  # scheduled tokens whose batch is not processed yet
+        self.blocks = 0
+        self.status = WAITING
+        self.prefilled = False  # prompt (or recompute) complete since last admission
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt + self.outputs
+
+    def clone(self) -> Req:
+        c = Req.__new__(Req)
+        for slot in Req.__slots__:
+            setattr(c, slot, getattr(self, slot))
+        return c
+
+
+class Prepared:
+    """A snapshot's requests, ready to run (built once, replayed many times)."""
+
+    __slots__ = ("free_blocks", "has_inflight", "reqs", "unlimited_kv")
+
+    def __init__(
+        self, reqs: list[Req], free_blocks: int, unlimited_kv: bool, has_inflight: bool
+    ) -> None:
+        self.reqs = reqs
+        self.free_blocks = free_blocks
+        self.unlimited_kv = unlimited_kv
+        self.has_inflight = has_inflight
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
+class PolicyGeometry:
+    """How a bound policy sizes requests: KV blocks, output caps, pipeline depth.
+
+    Args:
+        policy: The bound policy.
+
+    Raises:
+        ValueError: A policy number neither replay implementation accepts.
+    """
+
+    __slots__ = ("block_size", "depth", "max_model_len", "policy", "watermark_blocks")
+
+    def __init__(self, policy: Policy) -> None:
+        check_policy(policy)
+        self.policy = policy
+        self.block_size = policy.block_size
+        self.max_model_len = policy.max_model_len
+        self.watermark_blocks = policy.watermark_blocks
+        self.depth = 2 if policy.async_scheduling else 1
+
+    def make_req(
+        self, rid: str, prompt: int, outputs: int, output_len: int, max_tokens: int
+    ) -> Req:
+        """A request's state with its output limit and target resolved."""
+        limit = max_tokens if max_tokens > 0 else UNCAPPED
+        if self.max_model_len > 0:
+            limit = min(limit, self.max_model_len - prompt)
+        target = max(min(output_len, limit), outputs + 1)
+        return Req(rid, prompt, outputs, target, limit)
+
+    def reserve_tokens(self, r: Req) -> int:
+        """Tokens whose blocks an admission reserves, by allocation mode."""
+        alloc = self.policy.allocate
+        if alloc == "prompt":
+            return r.num_tokens
+        if alloc == "max-length":
+            return r.prompt + r.limit  # limit <= max_model_len - prompt (validated)
+        return 0
+
+    def held_blocks(self, r: Req) -> int:
+        """Blocks a running request holds, from its counts (snapshots do not list them).
+
+        Whole-prompt allocation holds the (re)compute length until the prompt is
+        done; max-length allocation holds its reservation throughout.
+        """
+        held = cdiv(r.computed, self.block_size)
+        alloc = self.policy.allocate
+        if alloc == "max-length" or (alloc == "prompt" and not r.prefilled):
+            held = max(held, cdiv(self.reserve_tokens(r), self.block_size))
+        return held
+
+    def prepare(
+        self,
+        table: npt.NDArray[np.int64],
+        free_blocks: int = -1,
+        ids: Sequence[str] | None = None,
+    ) -> Prepared:
+        """Turn a snapshot table (output lengths resolved) into scheduler state.
+
+        Args:
+            table: ``int64`` rows in scheduling order (``bearsdk.snapshot.COLUMNS``);
+                every ``output_len`` must be set (``>= 1``).
+            free_blocks: Free KV blocks the engine reported; ``-1`` to derive them
+                from the policy's pool size and the running requests' blocks.
+            ids: Request ids (for step-by-step records); defaults to row numbers.
+
+        Returns:
+            Replay-ready state.
+
+        Raises:
+            ValueError: An output length is missing or the table is malformed.
+        """
+        tab = np.asarray(table, dtype=np.int64)
+        if tab.ndim != 2 or tab.shape[1] != NCOLS:
+            raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
+        check_table(tab)
+        check_running(self.policy, int(np.count_nonzero(tab[:, COL_STATE] == STATE_RUNNING)))
+        reqs: list[Req] = []
+        held = freed = 0
+        has_inflight = False
+        for i, row in enumerate(tab.tolist()):
+            rid = ids[i] if ids is not None else f"#{i}"
+            if row[COL_OUTPUT_LEN] < 1:
+                got = row[COL_OUTPUT_LEN]
+                raise ValueError(f"row {i}: output_len must be resolved before replay (got {got})")
+            r = self.make_req(
+                rid, row[COL_PROMPT], row[COL_OUTPUT], row[COL_OUTPUT_LEN], row[COL_MAX_TOKENS]
+            )
+            if row[COL_STATE] == STATE_RUNNING:
+                r.status = RUNNING
+                r.computed = row[COL_COMPUTED]
+                r.ph = row[COL_PLACEHOLDERS]
+                need = r.num_tokens + r.ph - r.computed
+                r.prefilled = r.outputs + r.ph >= 1 and need <= 1
+                r.blocks = self.held_blocks(r)
+                held += r.blocks
+                if r.ph and self.depth == 1:
+                    # A synchronous engine has processed its outputs before it
+                    # schedules again: fold any placeholder into the outputs.
+                    r.outputs += r.ph
+                    r.ph = 0
+                    if r.outputs >= r.target:
+                        freed += r.blocks
+                        continue
+                has_inflight = has_inflight or r.ph > 0
+            reqs.append(r)
+        p = self.policy
+        unlimited = p.num_blocks == 0 and free_blocks < 0
+        if free_blocks < 0:
+            free_blocks = 0 if unlimited else p.num_blocks - p.reserved_blocks - held
+            if free_blocks < 0:
+                raise ValueError(
+                    f"running requests hold {held} KV blocks, more than the pool of {p.num_blocks} "
+                    f"minus {p.reserved_blocks} reserved"
+                )
+        else:
+            free_blocks += freed
+        return Prepared(reqs, free_blocks, unlimited, has_inflight)

@@ -1,0 +1,576 @@
+"""The live scheduler: a bound policy's batch formation, one request at a time.
+
+:class:`SchedulerCore` interprets a :class:`~bearsdk.schedulers.Policy` the way
+an engine's scheduler does. The emulated engine drives it in real time, the
+simulator and fast-forward in virtual time, and the pure-Python replay twin
+(``_replay_py``) in zero time; ``cext/_replay_c.pyx`` implements the replay's
+contract separately at C speed, and property tests require both to produce
+identical batch sequences. The vLLM differential harness checks this scheduler
+step by step against vLLM's own.
+
+The engine loop mirrors vLLM's ``EngineCore``: in synchronous mode a batch's
+outputs are processed before the next batch is scheduled; with asynchronous
+scheduling one batch is always in flight, so a batch is scheduled before the
+outputs of the previous one are known (placeholders stand for its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from bearsdk.replay.requests import (
+    FINISHED,
+    RUNNING,
+    WAITING,
+    PolicyGeometry,
+    Prepared,
+    Req,
+    cdiv,
+)
+from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+
+if TYPE_CHECKING:
+    # Typing only: the scheduler package compiles specs for the replay, not
+    # the reverse.
+    from bearsdk.schedulers.spec import Policy
+
+__all__ = ["ScheduledBatch", "SchedulerCore", "StepOutput"]
+
+
+class ScheduledBatch:
+    """One batch formed by :meth:`SchedulerCore.schedule`.
+
+    Attributes:
+        admitted: Requests admitted from the waiting queue into this batch.
+        preempted: Ids of requests preempted while forming it.
+        pre: Prefill tokens. dec: Decode tokens. dctx: Summed decode context.
+        patt: Summed prefill attention (eq. 12 terms).
+    """
+
+    __slots__ = (
+        "admitted",
+        "carried",
+        "dctx",
+        "dec",
+        "patt",
+        "pre",
+        "preempted",
+        "sampled",
+        "sched",
+    )
+
+    def __init__(self) -> None:
+        self.sched: dict[Req, int] = {}
+        # the batch in flight at a snapshot: tokens it carries per request
+        self.carried: dict[Req, int] = {}
+        self.sampled: list[Req] = []
+        self.admitted = 0
+        self.preempted: list[str] = []
+        # eq. 12 terms, filled in after scheduling
+        self.pre = self.dec = self.dctx = self.patt = 0
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        """Scheduled tokens by request id, in scheduling order."""
+        return {r.rid: n for r, n in self.sched.items()}
+
+    @property
+    def sampling(self) -> list[str]:
+        """Ids of the requests this batch samples a token for."""
+        return [r.rid for r in self.sampled]
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens in the batch."""
+        return self.pre + self.dec
+
+    def __bool__(self) -> bool:
+        return bool(self.sched)
+
+    def inert(self) -> bool:
+        """Processing this batch changes nothing."""
+        return not self.sched and not self.sampled
+
+
+class StepOutput:
+    """What processing a batch's outputs produced.
+
+    Attributes:
+        tokens: Ids of requests that received an output token (in batch order).
+        finished: Ids of requests that finished (their last token is in ``tokens``).
+    """
+
+    __slots__ = ("finished", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.finished: list[str] = []
+
+
+class SchedulerCore:
+    """A policy's scheduler as a live engine core, in pure Python.
+
+    Requests arrive (:meth:`add_request`), :meth:`schedule` forms the next batch
+    and :meth:`process` applies its outputs. The caller owns the pipeline: a
+    synchronous engine processes a batch before scheduling the next; an engine
+    with asynchronous scheduling schedules batch ``k + 1`` before it processes
+    batch ``k``. The replay drives it in zero time; the emulated engine and the
+    simulator drive it in real or virtual time.
+
+    Args:
+        policy: The bound policy (its KV geometry is the engine's).
+        free_blocks: Free KV blocks at start; default: the policy's pool less
+            reserved blocks (unlimited when the policy has no pool size).
+    """
+
+    def __init__(self, policy: Policy, free_blocks: int | None = None) -> None:
+        self.geo = PolicyGeometry(policy)
+        self.p = policy
+        self.running: list[Req] = []
+        self.waiting: deque[Req] = deque()
+        self.requests: dict[str, Req] = {}
+        self.unlimited = policy.num_blocks == 0 and free_blocks is None
+        if free_blocks is None:
+            free_blocks = 0 if self.unlimited else policy.num_blocks - policy.reserved_blocks
+        self.free = free_blocks
+        self.record = False
+        self.b0 = self.b1 = self.b2 = self.b3 = self.tau = 0.0
+        self.batches: list[BatchRecord] = []
+        self.queue: deque[ScheduledBatch] = deque()
+
+    @classmethod
+    def from_prepared(
+        cls,
+        geo: PolicyGeometry,
+        prepared: Prepared,
+        record: bool = False,
+        coeffs: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+    ) -> SchedulerCore:
+        """A scheduler holding a snapshot's requests (``prepared`` is not modified).
+
+        The replay starts from here in zero time; fast-forward runs it on in
+        virtual time. Requests are not indexed by id (:attr:`requests` stays
+        empty): a caller that aborts by id fills it in.
+
+        Args:
+            geo: The policy's geometry (the one that prepared the state).
+            prepared: From :meth:`PolicyGeometry.prepare`.
+            record: Keep a :class:`~bearsdk.replay.BatchRecord` per batch.
+            coeffs: Eq. 12 coefficients, as :meth:`Replayer.replay` takes them.
+        """
+        core = cls.__new__(cls)
+        core.geo = geo
+        core.p = geo.policy
+        core.running = []
+        core.waiting = deque()
+        core.requests = {}
+        for r in prepared.reqs:
+            c = r.clone()
+            (core.running if c.status == RUNNING else core.waiting).append(c)
+        core.free = prepared.free_blocks
+        core.unlimited = prepared.unlimited_kv
+        core.record = record
+        core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
+        core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
+        core.batches = []
+        # The batch in flight at the snapshot (async): its sampled tokens are the
+        # placeholders; partial prefill chunks in it change nothing when processed.
+        core.queue = deque()
+        if prepared.has_inflight:
+            b0 = ScheduledBatch()
+            b0.sampled = [r for r in core.running if r.ph > 0]
+            for r in b0.sampled:
+                r.inflight = r.ph
+                b0.carried[r] = r.ph
+            core.queue.append(b0)
+        return core
+
+    # -- live use -------------------------------------------------------------
+
+    def add_request(
+        self, rid: str, prompt_tokens: int, output_len: int, max_tokens: int | None = None
+    ) -> None:
+        """A request arrives at the end of the waiting queue.
+
+        Args:
+            rid: Unique id.
+            prompt_tokens: Prompt length.
+            output_len: Output tokens it will produce (its true length).
+            max_tokens: Its cap, known to the scheduler (``None``: none).
+
+        Raises:
+            ValueError: Duplicate id or a bad length.
+        """
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already resident")
+        if prompt_tokens < 1 or output_len < 1:
+            raise ValueError(
+                f"prompt_tokens and output_len must be >= 1 (got {prompt_tokens}, {output_len})"
+            )
+        r = self.geo.make_req(
+            rid, prompt_tokens, 0, output_len, -1 if max_tokens is None else max_tokens
+        )
+        self.requests[rid] = r
+        self.waiting.append(r)
+
+    def abort_request(self, rid: str) -> bool:
+        """Remove a resident request (freeing its blocks); ``False`` if unknown."""
+        r = self.requests.pop(rid, None)
+        if r is None or r.status == FINISHED:
+            return False
+        if r.status == RUNNING:
+            self.running.remove(r)
+            if not self.unlimited:
+                self.free += r.blocks
+            r.blocks = 0
+        else:
+            self.waiting.remove(r)
+        r.status = FINISHED
+        return True
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a seat (and KV blocks)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or preempted."""
+        return len(self.waiting)
+
+    @property
+    def free_blocks(self) -> int:
+        """Free KV blocks (0 with an unlimited pool)."""
+        return self.free
+
+    def has_work(self) -> bool:
+        """Any resident request?"""
+        return bool(self.running or self.waiting)
+
+    def snapshot(
+        self, *, instance: str = "local", seq: int = 0, time: float = 0.0, output_len: bool = False
+    ) -> dict[str, Any]:
+        """The engine state as a ``bear.snapshot/1`` document (running, then waiting).
+
+        Args:
+            instance: Instance name. seq: Step counter. time: Capture time.
+            output_len: Include each request's true output length (tests, what-if).
+        """
+        reqs = []
+        for r in self.running:
+            reqs.append(self._snap_req(r, "running", output_len))
+        for r in self.waiting:
+            reqs.append(self._snap_req(r, "waiting", output_len))
+        doc: dict[str, Any] = {
+            "schema": "bear.snapshot/1",
+            "instance": instance,
+            "seq": seq,
+            "time": time,
+            "requests": reqs,
+        }
+        if not self.unlimited:
+            doc["kv"] = {
+                "block_size": self.p.block_size,
+                "num_blocks": self.p.num_blocks,
+                "free_blocks": self.free,
+            }
+        return doc
+
+    def _snap_req(self, r: Req, state: str, with_len: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "id": r.rid,
+            "state": state,
+            "prompt_tokens": r.prompt,
+            "computed_tokens": r.computed if state == "running" else 0,
+            "output_tokens": r.outputs,
+        }
+        if r.limit < (1 << 61) and not (
+            self.geo.max_model_len and r.limit == self.geo.max_model_len - r.prompt
+        ):
+            d["max_tokens"] = r.limit
+        if with_len:
+            d["output_len"] = r.target
+        if r.ph and state == "running":
+            d["placeholders"] = r.ph
+        return d
+
+    # -- engine loop --------------------------------------------------------
+
+    def go(self, new: Req, max_batches: int, max_work: int) -> ReplayResult:
+        depth = self.geo.depth
+        k = 0
+        t = 0.0
+        work = 0
+        while True:
+            batch = self.schedule()
+            # What this loop touches per batch: the running list and the batch.
+            work += 1 + len(self.running) + len(batch.sched)
+            if batch.sched:
+                k += 1
+                dt = self.account(batch)
+                t += dt
+                if new in batch.sampled:
+                    return ReplayResult(k, t, StopReason.FIRST_TOKEN, self._batches())
+            elif all(q.inert() for q in self.queue):
+                # Nothing scheduled and nothing in flight that could free a seat
+                # or a block: the new request can never be served.
+                return ReplayResult(0, math.inf, StopReason.NEVER_ADMITTED, self._batches())
+            if (batch.sched and k >= max_batches) or work >= max_work:
+                # The batches so far happen before the first token: their time
+                # bounds the TTFT from below.
+                return ReplayResult(0, t, StopReason.BATCH_LIMIT, self._batches())
+            self.queue.append(batch)
+            if len(self.queue) < depth:
+                continue
+            self.process(self.queue.popleft())
+
+    def _batches(self) -> tuple[BatchRecord, ...] | None:
+        return tuple(self.batches) if self.record else None
+
+    # -- schedule -----------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Form the next batch (it may be empty)."""
+        p = self.p
+        b = ScheduledBatch()
+        budget = p.token_budget
+        cap = p.chunk_cap
+        if cap and p.cap_exempt_when_alone and len(self.running) + len(self.waiting) <= 1:
+            cap = 0
+        for stage in p.stages:
+            if stage == "waiting":
+                if b.preempted and not p.admit_after_preemption:
+                    continue
+                budget = self.admit(b, budget, cap)
+            else:
+                budget = self.serve_running(b, budget, cap, stage)
+            if p.exclusive and b.sched:
+                break
+        self.after_schedule(b)
+        return b
+
+    def _fits(self, b: ScheduledBatch, n: int) -> bool:
+        """Padded budgets charge every sequence the longest chunk in the batch."""
+        if self.p.budget_count != "padded":
+            return True
+        longest = max(max(b.sched.values(), default=0), n)
+        return (len(b.sched) + 1) * longest <= self.p.token_budget
+
+    def serve_running(self, b: ScheduledBatch, budget: int, cap: int, stage: str) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            if (
+                (stage == "decodes" and not r.prefilled)
+                or (stage == "prefills" and r.prefilled)
+                or r in b.sched
+            ):
+                # (a request admitted earlier in this batch is not served twice)
+                i += 1
+                continue
+            if r.ph > 0 and r.outputs + r.ph >= r.limit:
+                # Async: its last token is in flight; it keeps seat and blocks.
+                i += 1
+                continue
+            n = r.num_tokens + r.ph - r.computed
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
+            if self.geo.max_model_len:
+                n = min(n, self.geo.max_model_len - r.computed - 1)
+            if n <= 0 or not self._fits(b, n):
+                i += 1
+                continue
+            ok, budget = self.grow(b, r, n, budget)
+            if not ok:
+                break
+            b.sched[r] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def grow(self, b: ScheduledBatch, r: Req, n: int, budget: int) -> tuple[bool, int]:
+        """Allocate the blocks ``r`` needs for ``n`` more tokens, preempting if needed.
+
+        A victim already scheduled in this batch (by an earlier stage) gives its
+        tokens back to the budget, as vLLM does. Returns (allocated, budget).
+        """
+        one_free = self.p.decode_needs_free_block and r.prefilled
+        while True:
+            need = max(cdiv(r.computed + n, self.geo.block_size) - r.blocks, 0)
+            if self.unlimited or max(need, one_free) <= self.free:
+                r.blocks += need
+                if not self.unlimited:
+                    self.free -= need
+                return True, budget
+            if self.p.victim == "none":
+                return False, budget
+            victim = self.running.pop()
+            if victim is not r:
+                budget += b.sched.pop(victim, 0)
+            self.preempt(victim)
+            b.preempted.append(victim.rid)
+            if victim is r:
+                return False, budget
+
+    def preempt(self, r: Req) -> None:
+        if not self.unlimited:
+            self.free += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        r.ph = 0
+        r.prefilled = False
+        r.status = WAITING
+        if not self.p.keep_outputs:
+            r.outputs = 0
+        if self.p.requeue == "front":
+            self.waiting.appendleft(r)
+        else:
+            self.waiting.append(r)
+
+    def admit(self, b: ScheduledBatch, budget: int, cap: int) -> int:
+        p = self.p
+        skipped: list[Req] = []
+        while budget > 0 and self.waiting:
+            if len(self.running) >= p.max_seqs:
+                break
+            r = self.waiting[0]
+            if r.inflight > 0:
+                # Preempted with output still in flight: it cannot resume until
+                # that output lands, but it does not block the queue.
+                skipped.append(self.waiting.popleft())
+                continue
+            n = r.num_tokens
+            if 0 < cap < n:
+                n = cap
+            blocked = (not p.chunked_prefill and n > budget) or not self._fits(b, min(n, budget))
+            if not blocked:
+                n = min(n, budget)
+                blocked = not self.reserve(r, n)
+            if blocked:
+                if p.on_blocked == "stop":
+                    break
+                skipped.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            r.status = RUNNING
+            self.running.append(r)
+            b.sched[r] = n
+            b.admitted += 1
+            budget -= n
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+        return budget
+
+    def reserve(self, r: Req, n: int) -> bool:
+        """KV admission check and allocation for a waiting request's first chunk."""
+        if self.unlimited:
+            return True
+        p = self.p
+        bs = self.geo.block_size
+        applies = p.watermark_applies
+        wm = (
+            self.geo.watermark_blocks
+            if applies == "always" or (applies == "while-running" and self.running)
+            else 0
+        )
+        if p.reserve_full_sequence:
+            full = (
+                r.num_tokens
+                if not self.geo.max_model_len
+                else min(r.num_tokens, self.geo.max_model_len)
+            )
+            if cdiv(full, bs) + wm > self.free:
+                return False
+        need = max(cdiv(n, bs), cdiv(self.geo.reserve_tokens(r), bs))
+        if need + wm > self.free:
+            return False
+        r.blocks = need
+        self.free -= need
+        return True
+
+    def after_schedule(self, b: ScheduledBatch) -> None:
+        async_ = self.geo.depth > 1
+        for r, n in b.sched.items():
+            c = r.computed  # context before this batch
+            if r.prefilled:
+                b.dec += n
+                b.dctx += c * n
+            else:
+                b.pre += n
+                b.patt += n * c + n * (n + 1) // 2
+            r.computed += n
+            r.inflight += n
+            if r.computed >= r.num_tokens + r.ph:
+                # Not a partial chunk: this step samples a token for r.
+                r.prefilled = True
+                b.sampled.append(r)
+                if async_:
+                    r.ph += 1
+
+    # -- process outputs ----------------------------------------------------
+
+    def process(self, b: ScheduledBatch) -> StepOutput:
+        """Apply a batch's outputs: deliver sampled tokens, finish requests."""
+        out = StepOutput()
+        async_ = self.geo.depth > 1
+        for r, n in b.sched.items():
+            r.inflight -= n
+        for r, n in b.carried.items():
+            r.inflight -= n
+        for r in b.sampled:
+            if r.status == FINISHED:
+                continue
+            # The batch in flight at a snapshot carries all of a request's
+            # placeholders (several with speculative decoding); later batches one.
+            got = b.carried.get(r, 1)
+            out.tokens.append(r.rid)
+            if r.status == WAITING:
+                # Preempted while its token was in flight: it still receives it.
+                r.outputs += got
+                if r.outputs >= r.target:
+                    r.status = FINISHED
+                    self.waiting.remove(r)
+                    self.requests.pop(r.rid, None)
+                    out.finished.append(r.rid)
+                continue
+            r.outputs += got
+            if async_:
+                r.ph -= got
+            if r.outputs >= r.target:
+                r.status = FINISHED
+                if not self.unlimited:
+                    self.free += r.blocks
+                r.blocks = 0
+                self.running.remove(r)
+                self.requests.pop(r.rid, None)
+                out.finished.append(r.rid)
+        return out
+
+    # -- eq. 12 --------------------------------------------------------------
+
+    def account(self, b: ScheduledBatch) -> float:
+        dt = (
+            self.b0
+            + self.b1 * max(float(b.pre + b.dec), self.tau)
+            + self.b2 * b.dctx
+            + self.b3 * b.patt
+        )
+        if self.record:
+            self.batches.append(
+                BatchRecord(
+                    num_seqs=len(b.sched),
+                    prefill_tokens=b.pre,
+                    decode_tokens=b.dec,
+                    decode_context=b.dctx,
+                    prefill_attention=b.patt,
+                    admitted=b.admitted,
+                    preempted=len(b.preempted),
+                    duration_s=dt,
+                    tokens_by_request=tuple((r.rid, n) for r, n in b.sched.items()),
+                )
+            )
+        return dt
