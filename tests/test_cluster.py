@@ -11,11 +11,10 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from bearsdk.cluster import Cluster, PowerOfD, SharedOverlay
+from bearsdk.cluster import Cluster, DispatchEvent, PowerOfD, RedisBus, SharedOverlay
 from bearsdk.cluster.local import LocalRedis
 from bearsdk.errors import BearError
 from bearsdk.io import Backoff
-from bearsdk.io.redis import DispatchEvent, RedisBus
 from bearsdk.predictors import Predictor
 from bearsdk.router import AsyncRouter, ConfigError, InstanceConfig
 from bearsdk.selectors import BEAR, Lagrangian, Option, Selection
@@ -259,9 +258,9 @@ def test_simulated_replicas_match_one_router() -> None:
 
 
 async def test_redis_outage_under_load_fails_no_request(redis_server: LocalRedis) -> None:
+    from bearsdk.cluster import RedisSnapshotBridge
     from bearsdk.emulator import EnginePool
     from bearsdk.evaluation import drive_workload
-    from bearsdk.io.redis import RedisSnapshotBridge
     from bearsdk.workload import synthetic_workload
 
     items = synthetic_workload(48, 16.0, seed=5)  # about 3 s of arrivals

@@ -246,7 +246,7 @@ def test_a_huge_value_gives_a_short_message(harness: Harness) -> None:
 
 
 def test_a_forged_redis_entry_goes_through_validation() -> None:
-    from bearsdk.io.redis import RedisBus, RedisSource
+    from bearsdk.cluster import RedisBus, RedisSource
 
     src = RedisSource(RedisBus(), "i0")
     cache = SnapshotCache("i0")

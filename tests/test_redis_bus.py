@@ -15,16 +15,10 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bearsdk.cluster import DispatchEvent, RedisBus, RedisSnapshotBridge, RedisSource
 from bearsdk.cluster.local import LocalRedis
+from bearsdk.cluster.wire import key_name, redact_url
 from bearsdk.io import Backoff, PushSource, SnapshotPublisher
-from bearsdk.io.redis import (
-    DispatchEvent,
-    RedisBus,
-    RedisSnapshotBridge,
-    RedisSource,
-    key_name,
-    redact_url,
-)
 from bearsdk.state import SnapshotCache
 
 FAST = Backoff(initial_s=0.01, max_s=0.05)

@@ -28,9 +28,9 @@ from typing import Any, Final
 
 import attrs
 
+from bearsdk.cluster.wire import DispatchEvent
 from bearsdk.emulator.text import Tokenizer
 from bearsdk.evaluation import RequestResult, RunSummary, summarize
-from bearsdk.io.redis import DispatchEvent
 
 __all__ = ["SIM_MODES", "SimBus", "SimResult", "simulate"]
 

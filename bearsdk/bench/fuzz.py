@@ -33,7 +33,7 @@ the router does with each:
   :class:`~bearsdk.io.SnapshotPublisher`'s stream), ``shm`` (a
   :class:`~bearsdk.io.shm.ShmWriter` segment read by a
   :class:`~bearsdk.io.shm.ShmSource`), ``redis`` (entries written into the key
-  a :class:`~bearsdk.io.redis.RedisSource` reads, on a server of its own or
+  a :class:`~bearsdk.cluster.RedisSource` reads, on a server of its own or
   ``--redis-url``; skipped with a note without redis-py or redis-server). What
   each source delivered then goes through the checks above and the router's
   ``route()``. The rest go through the decoders and caches directly, in
@@ -260,7 +260,7 @@ async def _transport(
                 import redis.asyncio as aioredis
             except ImportError:
                 return tally, 0, "skipped: redis-py is not installed (pip install 'bearsdk[redis]')"
-            from bearsdk.io.redis import RedisBus, RedisSource
+            from bearsdk.cluster import RedisBus, RedisSource
 
             if redis_url is None:
                 from bearsdk.cluster.local import LocalRedis, LocalRedisError

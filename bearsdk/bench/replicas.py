@@ -16,10 +16,10 @@ as a load balancer in front of application replicas would:
     As ``independent``, with power-of-d tie-breaking.
 ``redis-snapshots``
     As ``independent``, with snapshots through Redis (a
-    :class:`~bearsdk.io.redis.RedisSnapshotBridge` follows the engines).
+    :class:`~bearsdk.cluster.RedisSnapshotBridge` follows the engines).
 ``shared``
     ``--replicas`` routers in a :class:`~bearsdk.cluster.Cluster`: snapshots
-    through Redis (a :class:`~bearsdk.io.redis.RedisSnapshotBridge` follows the
+    through Redis (a :class:`~bearsdk.cluster.RedisSnapshotBridge` follows the
     engines), the shared dispatch overlay, power-of-d tie-breaking.
 ``shared-nopod``
     As ``shared``, ties broken toward the pool's first instance.
@@ -185,8 +185,8 @@ async def _engines(conn: Connection, job: _Job) -> None:
 
 async def _bridge(conn: Connection, job: _Job, configs: list[Any], url: str) -> None:
     """The bridge process: follows the engines and writes their snapshots to Redis."""
+    from bearsdk.cluster import RedisBus, RedisSnapshotBridge
     from bearsdk.io import PollSource, PushSource, SnapshotSource
-    from bearsdk.io.redis import RedisBus, RedisSnapshotBridge
 
     sources: dict[str, SnapshotSource] = {
         c.name: (
@@ -207,8 +207,7 @@ async def _replica(
     conn: Connection, job: _Job, configs: list[Any], url: str | None, share: int
 ) -> None:
     """A replica process: one router driving its share of the workload."""
-    from bearsdk.cluster import Cluster
-    from bearsdk.io.redis import RedisBus
+    from bearsdk.cluster import Cluster, RedisBus
     from bearsdk.router import AsyncRouter
     from bearsdk.workload import synthetic_workload
 

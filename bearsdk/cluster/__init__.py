@@ -10,16 +10,16 @@
         ...
 
 * :class:`Cluster`: one replica's membership; the router runs its
-  :class:`~bearsdk.io.redis.RedisBus`, builds a
-  :class:`~bearsdk.io.redis.RedisSource` (with the engine's push stream as
+  :class:`RedisBus` (:mod:`bearsdk.cluster.bus`), builds a
+  :class:`RedisSource` (:mod:`bearsdk.cluster.redis_source`) (with the engine's push stream as
   fallback) for every instance configured with ``snapshots = "redis"``, and
   shares its dispatches (:class:`SharedOverlay`).
 * :class:`PowerOfD`: any policy with ties among near-equal instances drawn at
   random, so that replicas do not herd.
 
 Engines' snapshots reach Redis through a
-:class:`~bearsdk.io.redis.RedisSnapshotBridge` (or an engine publishing itself).
-See ``docs/scale-out.md``.
+:class:`RedisSnapshotBridge` (or an engine publishing itself); what travels on
+the bus is in :mod:`bearsdk.cluster.wire`. See ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
@@ -32,15 +32,29 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk.cluster.bus import BusStats, RedisBus
 from bearsdk.cluster.overlay import DispatchBus, OverlayStats, SharedOverlay
+from bearsdk.cluster.redis_source import RedisSnapshotBridge, RedisSource
 from bearsdk.cluster.tiebreak import PowerOfD
+from bearsdk.cluster.wire import EVENT_KINDS, DispatchEvent
 from bearsdk.io.base import SnapshotSource
-from bearsdk.io.redis import RedisBus, RedisSource
 
 if TYPE_CHECKING:
     from bearsdk.router.router import AsyncRouter
 
-__all__ = ["Cluster", "DispatchBus", "OverlayStats", "PowerOfD", "SharedOverlay"]
+__all__ = [
+    "EVENT_KINDS",
+    "BusStats",
+    "Cluster",
+    "DispatchBus",
+    "DispatchEvent",
+    "OverlayStats",
+    "PowerOfD",
+    "RedisBus",
+    "RedisSnapshotBridge",
+    "RedisSource",
+    "SharedOverlay",
+]
 
 
 def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -60,9 +74,9 @@ class Cluster:
         share_dispatches: Publish this replica's dispatches and add the other
             replicas' to its view (:class:`SharedOverlay`).
         replica: This replica's id (unique among the replicas; default random).
-        stale_after_s: :class:`~bearsdk.io.redis.RedisSource` argument: silence
+        stale_after_s: :class:`RedisSource` argument: silence
             of an instance's snapshot stream that counts as a lost writer.
-        recover_after_s: :class:`~bearsdk.io.redis.RedisSource` argument.
+        recover_after_s: :class:`RedisSource` argument.
     """
 
     bus: RedisBus

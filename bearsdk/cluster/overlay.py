@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
+from bearsdk.cluster.wire import DispatchEvent
 from bearsdk.errors import BearError
-from bearsdk.io.redis import DispatchEvent
 from bearsdk.router.decision import Decision
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ __all__ = ["DispatchBus", "OverlayStats", "SharedOverlay"]
 
 
 class DispatchBus(Protocol):
-    """Where replicas exchange dispatch events (:class:`~bearsdk.io.redis.RedisBus`;
+    """Where replicas exchange dispatch events (:class:`~bearsdk.cluster.RedisBus`;
     simulations plug in their own)."""
 
     def publish_dispatch(self, event: DispatchEvent) -> None:
@@ -92,7 +92,7 @@ class SharedOverlay:
     it for you); the bus must be running for events to flow.
 
     Args:
-        bus: The replica's bus (a :class:`~bearsdk.io.redis.RedisBus`, or any
+        bus: The replica's bus (a :class:`~bearsdk.cluster.RedisBus`, or any
             :class:`DispatchBus`).
         replica: This replica's id (unique among the replicas; default random).
         max_age_s: Other replicas' dispatches older than this when they arrive
