@@ -6,8 +6,8 @@ with its error shapes: schema problems (a missing or mistyped field) as a 400
 "param": "body.messages", "code": 400}}``; semantic problems (``max_tokens`` below
 1 or above ``max_model_len``, a prompt longer than the context) as a 400
 ``BadRequestError`` whose message ends with ``(parameter=..., value=...)``; an
-unknown model as a 404 ``NotFoundError``. Response objects carry the fields vLLM
-serializes, in its order, so clients that read vLLM read these unchanged.
+unknown model as a 404 ``NotFoundError``. The response shapes are in
+``responses.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,12 +19,23 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import orjson
 
+# The response shapes live in responses.py; importable from here as before.
+from bearsdk.emulator.responses import (
+    SseEncoder,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    models_response,
+    usage_chunk,
+)
 from bearsdk.emulator.text import ChatMessageError, classify_prompt, message_text, prompt_seed
 
 if TYPE_CHECKING:
-    from bearsdk.emulator.engine import EmulatedEngine, GenerationPlan
+    from bearsdk.emulator.core import EngineCore
+    from bearsdk.emulator.requests import GenerationPlan
 
 __all__ = [
     "ApiError",
@@ -32,6 +43,7 @@ __all__ = [
     "SseEncoder",
     "chat_chunk",
     "chat_response",
+    "chat_role_chunk",
     "completion_chunk",
     "completion_response",
     "models_response",
@@ -176,7 +188,7 @@ class ParsedRequest:
 
 
 def _common(
-    body: Any, headers: Mapping[str, str], engine: EmulatedEngine, required: str
+    body: Any, headers: Mapping[str, str], engine: EngineCore, required: str
 ) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise schema_error("", "model_attributes_type", "Input should be a valid dictionary", body)
@@ -232,7 +244,7 @@ def _forced_len(body: Mapping[str, Any], headers: Mapping[str, str]) -> int | No
 
 
 def _plan(
-    engine: EmulatedEngine,
+    engine: EngineCore,
     body: Mapping[str, Any],
     headers: Mapping[str, str],
     *,
@@ -293,9 +305,7 @@ def _request_id(prefix: str, headers: Mapping[str, str]) -> str:
     return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
 
 
-def parse_completion(
-    body: Any, headers: Mapping[str, str], engine: EmulatedEngine
-) -> ParsedRequest:
+def parse_completion(body: Any, headers: Mapping[str, str], engine: EngineCore) -> ParsedRequest:
     """Validate a ``/v1/completions`` body.
 
     Raises:
@@ -358,7 +368,7 @@ def parse_completion(
     )
 
 
-def parse_chat(body: Any, headers: Mapping[str, str], engine: EmulatedEngine) -> ParsedRequest:
+def parse_chat(body: Any, headers: Mapping[str, str], engine: EngineCore) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body.
 
     Raises:
@@ -405,293 +415,3 @@ def parse_chat(body: Any, headers: Mapping[str, str], engine: EmulatedEngine) ->
         _request_id("chatcmpl", headers),
         int(time.time()),
     )
-
-
-# -- response shapes ------------------------------------------------------------------
-
-
-def _usage(prompt: int, completion: int, *, details: bool = False) -> dict[str, Any]:
-    u: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-    }
-    if details:
-        u["prompt_tokens_details"] = None
-        u["completion_tokens_details"] = None
-    return u
-
-
-def completion_chunk(
-    req: ParsedRequest,
-    text: str,
-    finish: str | None,
-    stop_reason: str | None,
-    usage: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """One ``text_completion`` stream chunk."""
-    d: dict[str, Any] = {
-        "id": req.request_id,
-        "object": "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "prompt_token_ids": None,
-                "token_ids": None,
-                "weight_versions": None,
-            }
-        ],
-    }
-    if usage is not None:
-        d["usage"] = _usage(*usage)
-    d["kv_transfer_params"] = None
-    return d
-
-
-def chat_role_chunk(req: ParsedRequest, usage: tuple[int, int] | None = None) -> dict[str, Any]:
-    """The first chat stream chunk (the assistant role)."""
-    d: dict[str, Any] = {
-        "id": req.request_id,
-        "object": "chat.completion.chunk",
-        "created": req.created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-    }
-    if usage is not None:
-        d["usage"] = _usage(*usage)
-    d["prompt_token_ids"] = None
-    d["prompt_text"] = None
-    return d
-
-
-def chat_chunk(
-    req: ParsedRequest,
-    text: str,
-    finish: str | None,
-    stop_reason: str | None,
-    usage: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` with content."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": {"content": text},
-        "logprobs": None,
-        "finish_reason": finish,
-    }
-    if finish is not None:
-        choice["stop_reason"] = stop_reason
-    choice["token_ids"] = None
-    if finish is not None:
-        choice["weight_versions"] = None
-    d: dict[str, Any] = {
-        "id": req.request_id,
-        "object": "chat.completion.chunk",
-        "created": req.created,
-        "model": req.model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        d["usage"] = _usage(*usage)
-    d["kv_transfer_params"] = None
-    return d
-
-
-class SseEncoder:
-    """The SSE events of one streaming response, encoded from pre-built parts.
-
-    The hot path of the server (one event per request per engine step): it yields
-    byte-for-byte what :func:`completion_chunk`, :func:`chat_chunk`,
-    :func:`chat_role_chunk` and :func:`usage_chunk` serialize to.
-
-    Args:
-        req: The validated request.
-    """
-
-    __slots__ = ("_chat", "_head", "_usage_head")
-
-    def __init__(self, req: ParsedRequest) -> None:
-        obj = "chat.completion.chunk" if req.chat else "text_completion"
-        head = orjson.dumps(
-            {"id": req.request_id, "object": obj, "created": req.created, "model": req.model}
-        )[:-1]
-        self._chat = req.chat
-        self._head = b"data: " + head + b',"choices":[{"index":0,'
-        self._usage_head = b"data: " + head + b',"choices":[],"usage":'
-
-    @staticmethod
-    def _usage(usage: tuple[int, int] | None) -> bytes:
-        if usage is None:
-            return b""
-        return b',"usage":' + orjson.dumps(_usage(*usage))
-
-    def content(
-        self,
-        text: str,
-        finish: str | None,
-        stop_reason: str | None,
-        usage: tuple[int, int] | None = None,
-    ) -> bytes:
-        """One content event (``finish`` set on the last)."""
-        t = orjson.dumps(text)
-        f = orjson.dumps(finish)
-        if self._chat:
-            tail = b""
-            if finish is not None:
-                tail = b',"stop_reason":' + orjson.dumps(stop_reason)
-            tail += b',"token_ids":null'
-            if finish is not None:
-                tail += b',"weight_versions":null'
-            body = b'"delta":{"content":' + t + b'},"logprobs":null,"finish_reason":' + f + tail
-        else:
-            body = (
-                b'"text":' + t + b',"logprobs":null,"finish_reason":' + f + b',"stop_reason":'
-                + orjson.dumps(stop_reason)
-                + b',"prompt_token_ids":null,"token_ids":null,"weight_versions":null'
-            )  # fmt: skip
-        return self._head + body + b"}]" + self._usage(usage) + b',"kv_transfer_params":null}\n\n'
-
-    def role(self, usage: tuple[int, int] | None = None) -> bytes:
-        """The first chat event (the assistant role)."""
-        return (
-            self._head
-            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
-            + self._usage(usage)
-            + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
-        )
-
-    def usage(self, prompt: int, completion: int) -> bytes:
-        """The final ``usage`` event."""
-        return self._usage_head + orjson.dumps(_usage(prompt, completion)) + b"}\n\n"
-
-
-def usage_chunk(req: ParsedRequest, prompt: int, completion: int) -> dict[str, Any]:
-    """The final stream chunk with ``usage`` (``stream_options.include_usage``)."""
-    return {
-        "id": req.request_id,
-        "object": "chat.completion.chunk" if req.chat else "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": [],
-        "usage": _usage(prompt, completion),
-    }
-
-
-def completion_response(
-    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
-) -> dict[str, Any]:
-    """A non-streaming ``text_completion`` response."""
-    return {
-        "id": req.request_id,
-        "object": "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "token_ids": None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-                "weight_versions": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def chat_response(
-    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
-) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` response."""
-    return {
-        "id": req.request_id,
-        "object": "chat.completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "token_ids": None,
-                "routed_experts": None,
-                "weight_versions": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-        "prompt_text": None,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def models_response(engine: EmulatedEngine, created: int) -> dict[str, Any]:
-    """``GET /v1/models``."""
-    name = engine.model_name
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": name,
-                "parent": None,
-                "max_model_len": engine.max_model_len,
-                "permission": [
-                    {
-                        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-        ],
-    }

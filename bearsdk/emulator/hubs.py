@@ -3,19 +3,34 @@
 Snapshots coalesce: a reader that falls behind gets the latest snapshot, never a
 queue (``docs/protocol.md``). Batch records do not: each reader has a bounded
 buffer; when it overflows the oldest records go and the next record sent
-carries ``"dropped": N``.
+carries ``"dropped": N``. A :class:`DelayLine` holds snapshots back by the
+injected publishing delay before they reach the hub.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import attrs
 import orjson
 
-__all__ = ["BatchHub", "BatchReader", "PublishedSnapshot", "SnapshotHub", "SnapshotReader"]
+if TYPE_CHECKING:
+    from bearsdk.emulator.timing import BatchShape
+
+__all__ = [
+    "BatchHub",
+    "BatchReader",
+    "DelayLine",
+    "PublishedSnapshot",
+    "SnapshotHub",
+    "SnapshotReader",
+    "batch_record",
+]
 
 
 @attrs.define(eq=False)
@@ -192,3 +207,62 @@ class BatchHub:
         """End every reader's stream."""
         for r in self._readers:
             r.close()
+
+
+@attrs.define(eq=False)
+class DelayLine:
+    """Publishes captured snapshots ``delay_s()`` after their capture, in order.
+
+    Args:
+        delay_s: The current delay (a fault setting, changed at run time).
+        publish: Where a snapshot goes once due (the engine's current hub).
+    """
+
+    delay_s: Callable[[], float]
+    publish: Callable[[PublishedSnapshot], None]
+    _pending: deque[PublishedSnapshot] = attrs.field(init=False, factory=deque)
+    _event: anyio.Event | None = attrs.field(init=False, default=None)
+
+    def put(self, snap: PublishedSnapshot) -> None:
+        """Publish ``snap`` now, or once due when a delay is set or others wait."""
+        if self.delay_s() <= 0 and not self._pending:
+            self.publish(snap)
+            return
+        self._pending.append(snap)
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def clear(self) -> None:
+        """Forget the snapshots not yet published (a restart)."""
+        self._pending.clear()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Publish pending snapshots as they fall due, until cancelled."""
+        task_status.started()
+        pending = self._pending
+        while True:
+            while not pending:
+                self._event = anyio.Event()
+                await self._event.wait()
+            snap = pending[0]
+            await anyio.sleep_until(snap.captured_at + self.delay_s())
+            if pending and pending[0] is snap:
+                pending.popleft()
+                self.publish(snap)
+
+
+def batch_record(instance: str, epoch: str, shape: BatchShape, duration_s: float) -> dict[str, Any]:
+    """The ``bear.batch/1`` record of one batch that ran ``duration_s``."""
+    return {
+        "schema": "bear.batch/1",
+        "instance": instance,
+        "epoch": epoch,
+        "time": time.time(),
+        "num_seqs": shape.num_seqs,
+        "prefill_tokens": shape.prefill_tokens,
+        "decode_tokens": shape.decode_tokens,
+        "decode_context": shape.decode_context,
+        "prefill_attention": shape.prefill_attention,
+        "duration_s": duration_s,
+    }

@@ -14,9 +14,13 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
+
+if TYPE_CHECKING:
+    from bearsdk.emulator.requests import GenerationPlan, RequestHandle
+    from bearsdk.schedulers import Policy
 
 __all__ = [
     "CONTENT_TYPE",
@@ -236,6 +240,49 @@ class EngineMetrics:
     def inc(self, name: str, amount: float = 1.0) -> None:
         """Increase the counter ``name``."""
         self.counters[name] += amount
+
+    @classmethod
+    def for_policy(cls, model_name: str, max_model_len: int, policy: Policy) -> EngineMetrics:
+        """Metrics of an engine running ``policy`` (its KV geometry in ``cache_config_info``)."""
+        return cls(
+            model_name,
+            max_model_len,
+            {
+                "block_size": str(policy.block_size),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": "False",
+                "gpu_memory_utilization": "0.92",
+                "num_cpu_blocks": "None",
+                "num_gpu_blocks": str(policy.num_blocks),
+                "num_gpu_blocks_override": "None",
+            },
+        )
+
+    def observe_submitted(self, plan: GenerationPlan) -> None:
+        """Record a request's parameters as it arrives."""
+        self.observe("vllm:request_params_n", 1)
+        if plan.requested_max_tokens is not None:
+            self.observe("vllm:request_params_max_tokens", plan.requested_max_tokens)
+        self.observe("vllm:request_max_num_generation_tokens", plan.max_tokens)
+
+    def observe_finished(self, h: RequestHandle, reason: str, now: float) -> None:
+        """Record a request that finished (or was aborted) at loop time ``now``."""
+        self.success[reason if reason in self.success else "abort"] += 1
+        self.observe("vllm:e2e_request_latency_seconds", now - h.arrival)
+        if reason == "abort":
+            return
+        self.observe("vllm:request_prompt_tokens", h.plan.prompt_tokens)
+        self.observe("vllm:request_generation_tokens", h.produced)
+        times = h.token_times
+        if h.scheduled_at is not None:
+            self.observe("vllm:request_queue_time_seconds", h.scheduled_at - h.arrival)
+            self.observe("vllm:request_inference_time_seconds", now - h.scheduled_at)
+            if times:
+                self.observe("vllm:request_prefill_time_seconds", times[0] - h.scheduled_at)
+        if len(times) > 1:
+            decode = times[-1] - times[0]
+            self.observe("vllm:request_decode_time_seconds", decode)
+            self.observe("vllm:request_time_per_output_token_seconds", decode / (len(times) - 1))
 
     def render(self, gauges: GaugeValues | Callable[[], GaugeValues]) -> bytes:
         """The text exposition of every metric."""

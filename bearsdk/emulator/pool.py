@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 import anyio.abc
 import attrs
 
-from bearsdk.emulator._lifecycle import start_running, stop_running
+from bearsdk.emulator._lifecycle import Runs
 from bearsdk.emulator.engine import EmulatedEngine, EngineConfig
 
 if TYPE_CHECKING:
@@ -20,7 +19,7 @@ __all__ = ["EnginePool"]
 
 
 @attrs.define(eq=False)
-class EnginePool:
+class EnginePool(Runs):
     """A set of emulated engines started and stopped together.
 
     ``async with EnginePool.of("qwen3-0.6b-h100", "qwen3-8b-h100") as pool:`` starts
@@ -33,7 +32,6 @@ class EnginePool:
 
     _configs: Sequence[EngineConfig]
     _engines: list[EmulatedEngine] = attrs.field(init=False)
-    _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         names = [c.instance for c in self._configs if c.instance]
@@ -109,7 +107,7 @@ class EnginePool:
     def __getitem__(self, i: int) -> EmulatedEngine:
         return self._engines[i]
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[EnginePool]) -> None:
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Self]) -> None:
         """Run every engine until cancelled (``await tg.start(pool.run)``)."""
         try:
             async with anyio.create_task_group() as tg:
@@ -121,17 +119,3 @@ class EnginePool:
             if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
                 raise group.exceptions[0] from None
             raise
-
-    async def __aenter__(self) -> EnginePool:
-        self._tg = await start_running(self.run)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        tg, self._tg = self._tg, None
-        assert tg is not None
-        return await stop_running(tg, exc_type, exc, tb)

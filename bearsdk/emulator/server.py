@@ -42,10 +42,6 @@ from aiohttp import web
 from bearsdk.emulator.api import (
     ApiError,
     ParsedRequest,
-    SseEncoder,
-    chat_response,
-    completion_response,
-    models_response,
     parse_chat,
     parse_completion,
     schema_error,
@@ -53,11 +49,18 @@ from bearsdk.emulator.api import (
 from bearsdk.emulator.faults import MAX_DELAY_S as MAX_DOWNTIME_S
 from bearsdk.emulator.faults import FaultDecision, FaultsError
 from bearsdk.emulator.metrics import CONTENT_TYPE
+from bearsdk.emulator.responses import (
+    SseEncoder,
+    chat_response,
+    completion_response,
+    models_response,
+)
 from bearsdk.emulator.text import ChatMessageError
 from bearsdk.errors import BearError
 
 if TYPE_CHECKING:
-    from bearsdk.emulator.engine import EmulatedEngine, RequestHandle
+    from bearsdk.emulator.core import EngineCore
+    from bearsdk.emulator.requests import RequestHandle
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -116,7 +119,7 @@ def _drop(request: web.Request) -> None:
 
 @attrs.define
 class _Api:
-    engine: EmulatedEngine
+    engine: EngineCore
     admin_token: str | None = None
 
     # -- plumbing ---------------------------------------------------------------------
@@ -179,7 +182,7 @@ class _Api:
     async def _generate(
         self,
         request: web.Request,
-        parse: Callable[[Any, Any, EmulatedEngine], ParsedRequest],
+        parse: Callable[[Any, Any, EngineCore], ParsedRequest],
     ) -> web.StreamResponse:
         decision = await self._enter(request)
         faulted = self._fault_response(request, decision)
@@ -466,7 +469,7 @@ def _split_special(text: str) -> list[str]:
     return re.split(r"(<\|[a-z_]+\|>)", text)
 
 
-def build_app(engine: EmulatedEngine, admin_token: str | None = None) -> web.Application:
+def build_app(engine: EngineCore, admin_token: str | None = None) -> web.Application:
     """The aiohttp application serving ``engine``.
 
     Args:
@@ -498,7 +501,11 @@ def _env_token() -> str | None:
 
 @attrs.define
 class HttpServer:
-    """Serves one engine's API on a TCP port (started and stopped by the engine).
+    """Serves one engine's API on a TCP port.
+
+    The server is built around an engine (the engine knows nothing of it):
+    :class:`~bearsdk.emulator.EmulatedEngine` starts and stops one around its
+    core, and bounces it on a restart.
 
     Args:
         engine: The engine.
@@ -507,7 +514,7 @@ class HttpServer:
             which only a loopback address allows).
     """
 
-    _engine: EmulatedEngine
+    _engine: EngineCore
     admin_token: str | None = attrs.field(
         factory=_env_token, validator=_admin_token, repr=False, kw_only=True
     )
