@@ -1,8 +1,8 @@
 """Bind a registered scheduler spec to parameter values; its compile step is the replay's.
 
-:func:`policy` turns a registered spec and engine-flag overrides into a bound
-:class:`~bearsdk.schedulers.spec.Policy`. Compiling that policy into the
-replay's program (:func:`compile_policy`) sits beside the replay it feeds, in
+:func:`bind_scheduler` turns a registered spec and engine-flag overrides into a
+:class:`~bearsdk.schedulers.spec.BoundScheduler`. Compiling that into the
+replay's program (:func:`compile_scheduler`) sits beside the replay it feeds, in
 :mod:`bearsdk.replay.compile`; it is re-exported here and loaded on first use,
 so that reading and validating specs does not load the replay and its compiled
 extension.
@@ -15,15 +15,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from bearsdk.schedulers.registry import get_scheduler
-from bearsdk.schedulers.spec import Policy
+from bearsdk.schedulers.spec import BoundScheduler
 
 if TYPE_CHECKING:
     from bearsdk.replay.compile import compile_policy
+    from bearsdk.replay.compile import compile_policy as compile_scheduler
 
-__all__ = ["compile_policy", "policy"]
+__all__ = ["bind_scheduler", "compile_policy", "compile_scheduler", "policy"]
 
 
-def policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
+def bind_scheduler(name: str, params: Mapping[str, object] | None = None) -> BoundScheduler:
     """Bind the registered scheduler ``name`` to parameter overrides.
 
     Args:
@@ -31,7 +32,7 @@ def policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
         params: Overrides by engine flag name.
 
     Returns:
-        The validated policy.
+        The validated, bound scheduler.
 
     Raises:
         SpecError: Unknown scheduler, parameter or bad value.
@@ -40,9 +41,13 @@ def policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
 
 
 def __getattr__(name: str) -> Any:
-    if name != "compile_policy":
+    if name not in ("compile_policy", "compile_scheduler"):
         raise AttributeError(f"module 'bearsdk.schedulers.compiler' has no attribute {name!r}")
     # The replay imports nothing of this package at runtime: no cycle.
     value = importlib.import_module("bearsdk.replay.compile").compile_policy
     globals()[name] = value  # the next access is a plain attribute
     return value
+
+
+# The old name, kept as an alias (no warning: bearsdk's own code still calls it).
+policy = bind_scheduler

@@ -1,4 +1,4 @@
-"""Scheduler-policy specs: a policy is data, built from a few composable blocks.
+"""Scheduler specs: an engine's scheduling policy as data, built from a few composable blocks.
 
 A spec (TOML file, dict, or :class:`SchedulerSpec`) names its engine flags under
 ``[params]`` with their defaults and wires them into six building blocks:
@@ -32,12 +32,18 @@ A spec (TOML file, dict, or :class:`SchedulerSpec`) names its engine flags under
 A block field holds a literal or ``"$param"``, a reference to a parameter; so
 parameter names mirror the engine's own flags while the blocks stay generic.
 :meth:`SchedulerSpec.bind` resolves references against defaults plus overrides
-and validates everything into a :class:`Policy`, the flat value the replay
-implementations compile.
+and validates everything into a :class:`BoundScheduler`, the flat value the
+replay implementations compile.
+
+Words: a :class:`SchedulerSpec` is an engine's scheduling policy as data; a
+:class:`BoundScheduler` is one spec bound to parameter values (it was called
+``Policy``, which stays an alias). "Selector" is the router's word for BEAR,
+Lagrangian and the baselines (:mod:`bearsdk.selectors`); "staleness rules" are
+:class:`~bearsdk.state.StalenessRules`.
 
 Decoding is strict: unknown keys anywhere are errors (with the close name
 suggested), a parameter no block uses is an error, and every error names the
-policy, the field and the value (``scheduler 'sarathi': chunk_size must be > 0
+scheduler, the field and the value (``scheduler 'sarathi': chunk_size must be > 0
 (got 0)``). Numbers are bounded physically with the snapshot caps
 (``docs/snapshots.md``, "Bounds"): ``block_size`` <= 4096, ``num_blocks`` and
 ``reserved_blocks`` <= 2**24, the token budget, ``max_model_len`` and
@@ -63,6 +69,7 @@ __all__ = [
     "SPEC_SCHEMA",
     "AdmissionBlock",
     "BatchBlock",
+    "BoundScheduler",
     "BudgetBlock",
     "KVBlock",
     "Policy",
@@ -87,7 +94,7 @@ VICTIMS: Final = ("newest", "none")
 REQUEUE: Final = ("front", "back")
 
 # Numeric parameters are bounded physically, with the caps snapshots have
-# (docs/snapshots.md, "Bounds"): a policy then never asks a replay for more
+# (docs/snapshots.md, "Bounds"): a bound scheduler then never asks a replay for more
 # than a snapshot could (a block_size of 10**12 made the compiled one raise
 # MemoryError), and every count stays far inside int32.
 MAX_TOKEN_BUDGET: Final = MAX_REQUEST_TOKENS
@@ -215,11 +222,13 @@ class PreemptionBlock:
 
 
 @attrs.frozen
-class Policy:
-    """A spec bound to concrete parameter values and validated.
+class BoundScheduler:
+    """A scheduler spec bound to concrete parameter values and validated.
 
     This is what the replay implementations compile; it is hashable, so compiled
-    replayers are cached per policy. Field meanings are those of the blocks.
+    replayers are cached per bound scheduler. Field meanings are those of the
+    blocks. Made by :meth:`SchedulerSpec.bind` or
+    :func:`~bearsdk.schedulers.bind_scheduler`.
     """
 
     name: str
@@ -253,8 +262,8 @@ class Policy:
         """Blocks the watermark keeps free, given the pool size (``int(wm * blocks)``)."""
         return int(self.watermark * self.num_blocks) if self.num_blocks > 0 else 0
 
-    def with_kv(self, block_size: int, num_blocks: int) -> Policy:
-        """Return this policy with the KV geometry an engine reported.
+    def with_kv(self, block_size: int, num_blocks: int) -> BoundScheduler:
+        """Return this bound scheduler with the KV geometry an engine reported.
 
         Raises:
             SpecError: A value outside the physical bounds.
@@ -292,7 +301,7 @@ _BLOCK_TYPES: Final[dict[str, type]] = {
 
 @attrs.frozen
 class SchedulerSpec:
-    """A scheduler policy as data.
+    """An engine's scheduling policy as data (bind it with :meth:`bind`).
 
     Attributes:
         name: Registry name (``"vllm-v1"``).
@@ -344,8 +353,8 @@ class SchedulerSpec:
                     out.add(v[1:])
         return out
 
-    def bind(self, overrides: Mapping[str, object] | None = None) -> Policy:
-        """Resolve parameter references and validate into a :class:`Policy`.
+    def bind(self, overrides: Mapping[str, object] | None = None) -> BoundScheduler:
+        """Resolve parameter references and validate into a :class:`BoundScheduler`.
 
         Args:
             overrides: Parameter values replacing the defaults, by engine flag name.
@@ -353,7 +362,7 @@ class SchedulerSpec:
                 default's type.
 
         Returns:
-            The bound, validated policy.
+            The bound, validated scheduler.
 
         Raises:
             SpecError: Unknown parameter, wrong type, or a value out of range.
@@ -370,7 +379,7 @@ class SchedulerSpec:
                     raw,
                 )
             values[key] = _coerce(self.name, key, raw, self.params[key])
-        return _Binder(self, values).policy()
+        return _Binder(self, values).bound()
 
 
 class _Binder:
@@ -429,7 +438,7 @@ class _Binder:
             raise self.err(f"{block}.{field}", f"must be one of {opts} (got {short_repr(v)})", v)
         return v
 
-    def policy(self) -> Policy:
+    def bound(self) -> BoundScheduler:
         s = self.spec
         b, ba, pf, ad, kv, pr = s.budget, s.batch, s.prefill, s.admission, s.kv, s.preemption
         stages = tuple(ba.stages)
@@ -509,7 +518,7 @@ class _Binder:
         if num_blocks and reserved >= num_blocks:
             _, rlabel = self.get("kv", "reserved_blocks", kv.reserved_blocks)
             raise self.err(rlabel, f"must be < num_blocks {num_blocks} (got {reserved})", reserved)
-        return Policy(
+        return BoundScheduler(
             name=s.name,
             token_budget=token_budget,
             max_seqs=max_seqs,
@@ -722,3 +731,7 @@ def load_spec(path: str | Path) -> SchedulerSpec:
     except RecursionError:
         raise SpecError(p.stem, str(p), "nests arrays or tables too deeply", None) from None
     return spec_from_dict(doc, source=str(p))
+
+
+Policy = BoundScheduler
+"""The old name of :class:`BoundScheduler`, kept as an alias."""
