@@ -1,4 +1,4 @@
-"""The registry of scheduler-policy specs: built-ins plus those users register."""
+"""The registry of scheduler specs: built-ins plus those users register."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _load_builtins() -> None:
 def register_scheduler(
     spec: SchedulerSpec | Mapping[str, Any] | str | Path, *, replace: bool = False
 ) -> SchedulerSpec:
-    """Register a scheduler policy so that instances and replays can name it.
+    """Register a scheduler spec so that instances and replays can name it.
 
     Args:
         spec: A :class:`SchedulerSpec`, its dict form, or the path of a TOML file.
