@@ -118,7 +118,7 @@ def test_make_selector_and_protocol() -> None:
         assert isinstance(sel, Selector)
         assert sel.name == name
     assert make_selector("lagrangian", delta=3.0).select(POOL, 0).index == 0
-    with pytest.raises(SelectorError, match="policy 'bogus' is not known"):
+    with pytest.raises(SelectorError, match="selector 'bogus' is not known"):
         make_selector("bogus")
     with pytest.raises(SelectorError, match="lam must be a finite number >= 0"):
         make_selector("bear", lam=-1.0)

@@ -105,7 +105,7 @@ def test_scenarios_expand_variants_and_axes(small: Path) -> None:
         ({"simulation": {"reqs": 5}}, "simulation.reqs is not a known key"),
         ({"policies": {"bear": {"lam": 1e-3}}}, "policies.bear.lam: set it in the sweep"),
         ({"policies": {"magic": {}}}, "policies.magic: unknown policy"),
-        ({"policies": {"score": {"weight": 1}}}, "policies.score: policy 'score'"),
+        ({"policies": {"score": {"weight": 1}}}, "policies.score: selector 'score'"),
         ({"sweep": [{"name": "x", "rates": [1], "arrivals": ["mmpp2:0.5"]}]}, "mmpp2:R"),
         ({"sweep": [{"name": "x", "rates": [0]}]}, r"sweep\['x'\].rates must be > 0"),
         ({"sweep": [{"name": "x", "rates": [1], "policies": ["nope"]}]}, "must list configured"),

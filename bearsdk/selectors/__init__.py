@@ -1,6 +1,6 @@
-"""Selection policies: BEAR, its Lagrangian relaxation, and the paper's baselines.
+"""Selectors: BEAR, its Lagrangian relaxation, and the paper's baselines.
 
-A policy is any object implementing :class:`Selector`; :func:`make_selector`
+A selector is any object implementing :class:`Selector`; :func:`make_selector`
 builds the built-in ones by name (for configuration files and benchmarks).
 """
 
@@ -18,7 +18,7 @@ from bearsdk.selectors.baselines import (
     SemanticRouter,
     ShortestQueue,
 )
-from bearsdk.selectors.policies import BEAR, Lagrangian, LatencyAgnostic, PrefillTPS
+from bearsdk.selectors.bear import BEAR, Lagrangian, LatencyAgnostic, PrefillTPS
 
 __all__ = [
     "BEAR",
@@ -52,15 +52,15 @@ SELECTORS: dict[str, type] = {
     "score": Score,
     "routebalance": RouteBalance,
 }
-"""Built-in policies by name."""
+"""Built-in selectors by name."""
 
 
 class SelectorError(BearError, ValueError):
-    """An unknown policy name or a bad policy parameter."""
+    """An unknown selector name or a bad selector parameter."""
 
 
 def make_selector(name: str, **params: Any) -> Selector:
-    """Build a built-in policy by name.
+    """Build a built-in selector by name.
 
     Args:
         name: One of :data:`SELECTORS`.
@@ -71,11 +71,11 @@ def make_selector(name: str, **params: Any) -> Selector:
     """
     cls = SELECTORS.get(name)
     if cls is None:
-        raise SelectorError(f"policy {name!r} is not known (known: {', '.join(SELECTORS)})")
+        raise SelectorError(f"selector {name!r} is not known (known: {', '.join(SELECTORS)})")
     try:
         sel: Selector = cls(**params)
     except TypeError as exc:
-        raise SelectorError(f"policy {name!r}: {exc}") from None
+        raise SelectorError(f"selector {name!r}: {exc}") from None
     except ValueError as exc:
-        raise SelectorError(f"policy {name!r}: {exc}") from None
+        raise SelectorError(f"selector {name!r}: {exc}") from None
     return sel

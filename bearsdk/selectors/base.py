@@ -1,9 +1,9 @@
-"""What a selection policy sees and returns.
+"""What a selector sees and returns.
 
 For one request the router builds an :class:`Option` per routable instance —
 predicted accuracy and cost (eq. 4's utility), the TTFT estimate of the latency
-estimator the policy asks for, and the load figures baselines use — and asks
-the policy to pick one. Policies are plain objects implementing
+estimator the selector asks for, and the load figures baselines use — and asks
+the selector to pick one. Selectors are plain objects implementing
 :class:`Selector`; users plug their own in without touching the router.
 """
 
@@ -25,11 +25,11 @@ LATENCY_KINDS = (
     "semantic-router",
     "none",
 )
-"""The TTFT estimates a policy can ask the router for (``Selector.latency``)."""
+"""The TTFT estimates a selector can ask the router for (``Selector.latency``)."""
 
 
 class Option:
-    """One instance, as a policy sees it for one request (built per request; slots).
+    """One instance, as a selector sees it for one request (built per request; slots).
 
     Attributes:
         instance: Instance name.
@@ -39,7 +39,7 @@ class Option:
             (prompt tokens x input price + output tokens x output price, prices
             in USD per million tokens: the unit the paper's ``lam = 5e-4`` is for).
         utility: ``accuracy - lam * cost`` (eq. 4).
-        ttft_s: The estimate of the policy's latency estimator (``nan`` when it
+        ttft_s: The estimate of the selector's latency estimator (``nan`` when it
             asked for none; ``inf`` when the request could never be served).
         queue: Requests the router counts as resident there (running + waiting).
         unfinished: Requests the router dispatched there and not seen finish.
@@ -89,13 +89,13 @@ class Option:
 
 @attrs.frozen
 class Selection:
-    """A policy's answer.
+    """A selector's answer.
 
     Attributes:
         index: Index of the chosen option.
-        scores: What the policy maximised, per option (same order).
+        scores: What the selector maximised, per option (same order).
         feasible: Per option, whether it was predicted to meet the TTFT target
-            (``None`` for policies that do not use targets).
+            (``None`` for selectors that do not use targets).
         reason: Why, in a few words (``"best utility among feasible"``...).
     """
 
@@ -107,7 +107,7 @@ class Selection:
 
 @runtime_checkable
 class Selector(Protocol):
-    """A selection policy.
+    """A selector: picks one instance per request from its options.
 
     Attributes:
         name: Name shown in decisions and metrics.

@@ -1,4 +1,4 @@
-"""The routers BEAR is compared against (paper, section 5.1), as selection policies.
+"""The routers BEAR is compared against (paper, section 5.1), as selectors.
 
 Each uses the latency estimate its authors use (``latency``); the router
 computes it with the matching estimator in :mod:`bearsdk.estimators.baselines`.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import attrs
 
 from bearsdk.selectors.base import Option, Selection
-from bearsdk.selectors.policies import _argmax, _nonneg
+from bearsdk.selectors.bear import _argmax, _nonneg
 
 __all__ = [
     "LMDeployProxy",

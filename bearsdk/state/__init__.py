@@ -4,7 +4,7 @@
   swapped atomically; rejections counted and logged.
 * :class:`InstanceState`: TTFT estimates from the cache, with the dispatch
   overlay, fast-forward of stale snapshots and the fallback estimator
-  (:class:`StalenessPolicy`).
+  (:class:`StalenessRules`).
 * :class:`ShadowView`: a synthesized snapshot for unmodified vLLM, from the
   router's own requests reconciled with ``/metrics``.
 
@@ -13,7 +13,7 @@ The I/O edges feeding the caches are in :mod:`bearsdk.io`.
 
 from bearsdk.state.cache import CachedSnapshot, CacheStats, Outcome, Reject, SnapshotCache
 from bearsdk.state.fastforward import FastForward
-from bearsdk.state.instance import Estimate, InstanceState, StalenessPolicy
+from bearsdk.state.instance import Estimate, InstanceState, StalenessPolicy, StalenessRules
 from bearsdk.state.overlay import Dispatch, DispatchOverlay
 from bearsdk.state.shadow import ShadowView
 
@@ -30,4 +30,5 @@ __all__ = [
     "ShadowView",
     "SnapshotCache",
     "StalenessPolicy",
+    "StalenessRules",
 ]

@@ -39,7 +39,7 @@ from bearsdk.snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_snapshot
 if TYPE_CHECKING:
     from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
     from bearsdk.replay import Replayer
-    from bearsdk.schedulers import Policy
+    from bearsdk.schedulers import BoundScheduler
 
 __all__ = ["CacheStats", "CachedSnapshot", "Outcome", "Reject", "SnapshotCache"]
 
@@ -203,8 +203,8 @@ class SnapshotCache:
     _stale_run: int = attrs.field(init=False, default=0)
     _stale_seq: int = attrs.field(init=False, default=-1)
     _changed: anyio.Event | None = attrs.field(init=False, default=None)
-    _replayer: tuple[Policy, str | None, tuple[int, int] | None, Replayer] | None = attrs.field(
-        init=False, default=None
+    _replayer: tuple[BoundScheduler, str | None, tuple[int, int] | None, Replayer] | None = (
+        attrs.field(init=False, default=None)
     )
 
     # ------------------------------------------------------------------ reads
@@ -392,18 +392,18 @@ class SnapshotCache:
 
     def _prepare(self, est: BEAEstimator, snapshot: Snapshot) -> PreparedSnapshot:
         # BEAEstimator.prepare, with the compiled replayer kept across snapshots
-        # of the same KV geometry: re-binding and looking up the policy costs
+        # of the same KV geometry: re-binding and looking up the scheduler costs
         # as much as preparing the requests (tests pin the equivalence).
         from bearsdk.estimators.bea import PreparedSnapshot
         from bearsdk.estimators.length import resolve_output_lengths
-        from bearsdk.schedulers import compile_policy
+        from bearsdk.schedulers import compile_scheduler
 
         kv = snapshot.kv
         geometry = None if kv is None else (kv.block_size, kv.num_blocks)
         memo = self._replayer
         if (
             memo is None
-            or memo[0] is not est.policy  # identity: equality of policies costs microseconds
+            or memo[0] is not est.policy  # identity: equality of schedulers costs microseconds
             or memo[1] != est.implementation
             or memo[2] != geometry
         ):
@@ -412,7 +412,7 @@ class SnapshotCache:
                 est.policy,
                 est.implementation,
                 geometry,
-                compile_policy(pol, est.implementation),
+                compile_scheduler(pol, est.implementation),
             )
             self._replayer = memo
         replayer = memo[3]

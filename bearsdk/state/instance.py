@@ -2,7 +2,7 @@
 
 :class:`InstanceState` is what a router asks for a TTFT at one instance. It reads
 the instance's :class:`~bearsdk.state.cache.SnapshotCache` and, depending on the
-snapshot's age (:class:`StalenessPolicy`):
+snapshot's age (:class:`StalenessRules`):
 
 * **fresh**: BEA replays the cached prepared snapshot (nothing is prepared on
   this path);
@@ -37,7 +37,7 @@ from bearsdk.state.cache import CachedSnapshot, SnapshotCache
 from bearsdk.state.fastforward import FastForward
 from bearsdk.state.overlay import Dispatch, DispatchOverlay
 
-__all__ = ["Estimate", "InstanceState", "StalenessPolicy"]
+__all__ = ["Estimate", "InstanceState", "StalenessPolicy", "StalenessRules"]
 
 log = logging.getLogger("bearsdk.state")
 
@@ -61,8 +61,10 @@ def _default_fallback() -> LatencyEstimator:
 
 
 @attrs.frozen
-class StalenessPolicy:
+class StalenessRules:
     """How an instance's estimates handle snapshot age.
+
+    Formerly ``StalenessPolicy``, which stays an alias.
 
     Attributes:
         overlay: Add this router's not-yet-visible dispatches to the view.
@@ -86,9 +88,13 @@ class StalenessPolicy:
     overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
 
     @classmethod
-    def paper(cls) -> StalenessPolicy:
+    def paper(cls) -> StalenessRules:
         """BEA as the paper runs it: the cached snapshot as it is, whatever its age."""
         return cls(overlay=False, fast_forward_after_s=None, fallback_after_s=math.inf)
+
+
+StalenessPolicy = StalenessRules
+"""The old name of :class:`StalenessRules`, kept as an alias."""
 
 
 @attrs.frozen
@@ -118,15 +124,18 @@ class InstanceState:
         estimator: The instance's BEA estimator.
         fallback: Answers without a usable snapshot (default: LPS); ``None``:
             replay even a snapshot past ``fallback_after_s``, ``inf`` without one.
-        policy: Staleness handling.
+        rules: Staleness handling.
         name: Instance name (default: the cache's).
+        policy: The old name of ``rules`` (keyword only), kept for one release;
+            it wins when given.
     """
 
     cache: SnapshotCache
     estimator: BEAEstimator
     fallback: LatencyEstimator | None = attrs.field(factory=_default_fallback)
-    policy: StalenessPolicy = attrs.field(factory=StalenessPolicy)
+    rules: StalenessRules = attrs.field(factory=StalenessRules)
     name: str = ""
+    policy: StalenessRules | None = attrs.field(default=None, kw_only=True, eq=False, repr=False)
     _overlay: DispatchOverlay = attrs.field(init=False)
     _reconciled: int = attrs.field(init=False, default=-1)
     _completed: deque[tuple[str, float]] = attrs.field(
@@ -148,7 +157,10 @@ class InstanceState:
         elif self.cache.estimator is not self.estimator:
             raise ValueError("cache.estimator must be this instance's estimator (or unset)")
         self.name = self.name or self.cache.instance
-        p = self.policy
+        if self.policy is not None:
+            self.rules = self.policy
+        self.policy = self.rules  # readers of the old attribute see the rules in use
+        p = self.rules
         self._overlay = DispatchOverlay(grace_s=p.overlay_grace_s, expire_s=p.overlay_expire_s)
 
     # ------------------------------------------------------------------ events
@@ -278,7 +290,7 @@ class InstanceState:
         entry = self.cache.entry
         age = math.inf if entry is None else entry.age(now)
         if entry is None or (
-            age > self.policy.fallback_after_s
+            age > self.rules.fallback_after_s
             and self.fallback is not None
             and not self._idle(entry)
         ):
@@ -333,8 +345,8 @@ class InstanceState:
         base = entry.prepared
         if base is None:  # the cache had no estimator when it accepted this one
             base = self.estimator.prepare(entry.snapshot)
-        pending = ov.unseen(entry.captured) if self.policy.overlay else []
-        threshold = self.policy.fast_forward_after_s
+        pending = ov.unseen(entry.captured) if self.rules.overlay else []
+        threshold = self.rules.fast_forward_after_s
         elapsed = 0.0
         # An idle instance (nothing resident, nothing sent since) stays as it was:
         # fast-forwarding its snapshot would only cost time.
@@ -364,7 +376,7 @@ class InstanceState:
         if (
             self._view is not None
             and self._view_key == key
-            and 0.0 <= now - self._view_at <= self.policy.refresh_s
+            and 0.0 <= now - self._view_at <= self.rules.refresh_s
         ):
             return self._view
         try:
