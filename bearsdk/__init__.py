@@ -1,83 +1,38 @@
 """bearsdk: latency-aware routing for heterogeneous vLLM pools (BEA + BEAR).
 
-Every public name is loaded on first use (PEP 562), so ``import bearsdk`` costs
+The top level holds what an application embedding the router needs (about
+forty names, :data:`__all__`): :class:`AsyncRouter` and its synchronous
+:class:`RouterCore`, pool configuration, decisions and TTFT targets, the
+selectors (BEAR, Lagrangian, :class:`Selector`, :func:`make_selector`), the
+scheduler specs and their registry, the staleness rules, the errors, the
+estimator entry points and :func:`twins`. Everything else is imported from its
+subpackage: :mod:`bearsdk.emulator`, :mod:`bearsdk.sim`, :mod:`bearsdk.cluster`,
+:mod:`bearsdk.io`, :mod:`bearsdk.estimators`, :mod:`bearsdk.selectors`,
+:mod:`bearsdk.replay`, :mod:`bearsdk.state`, :mod:`bearsdk.snapshot`,
+:mod:`bearsdk.predictors`, :mod:`bearsdk.workload`, :mod:`bearsdk.evaluation`.
+
+Words: a *scheduler spec* is an engine's scheduling policy as data
+(:class:`SchedulerSpec`; bound to parameter values it is a
+:class:`BoundScheduler`); a *selector* picks an instance per request; the
+*staleness rules* say how estimates treat old snapshots.
+
+Every name is loaded on first use (PEP 562), so ``import bearsdk`` costs
 almost nothing and pulls in none of the emulator, the simulator, Redis or aiohttp
-until a name that needs them is touched.
+until a name that needs them is touched. Names that used to live here still
+resolve, for one release, with a :class:`DeprecationWarning` naming their home.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bearsdk.cluster import Cluster, PowerOfD, SharedOverlay
-    from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, GroundTruthParams
     from bearsdk.errors import BearError, SnapshotError, SpecError
     from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
-    from bearsdk.estimators.baselines import (
-        LMDeployProxyEstimator,
-        RouteBalanceEstimator,
-        ScoreEstimator,
-        SemanticRouterEstimator,
-    )
-    from bearsdk.estimators.batch_time import (
-        BatchObservation,
-        BatchTimeFit,
-        BatchTimeModel,
-        OnlineBatchTime,
-        fit_batch_time,
-        read_batches,
-    )
-    from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot, TTFTEstimate
-    from bearsdk.estimators.bea_adapter import BEALatencyEstimator
-    from bearsdk.estimators.length import (
-        KnownLengths,
-        LengthPredictor,
-        MeanLengthPredictor,
-        RememberedLengths,
-    )
-    from bearsdk.estimators.lps import LPSEstimator
-    from bearsdk.estimators.prefill import PrefillThroughputEstimator
-    from bearsdk.estimators.profiles import load_profile, profile_names
-    from bearsdk.estimators.stats import InstanceStats
-    from bearsdk.evaluation import RequestResult, RunSummary, drive_workload, summarize
-    from bearsdk.io import (
-        MetricsSource,
-        PollSource,
-        PushSource,
-        RedisBus,
-        RedisSnapshotBridge,
-        RedisSource,
-        ShmReader,
-        ShmSource,
-        ShmWriter,
-        SnapshotPublisher,
-        SnapshotSource,
-    )
-    from bearsdk.predictors import (
-        QWEN3_POOL,
-        ModelSpec,
-        PoolPrediction,
-        Predictor,
-        PredictorError,
-        PredictorFormatError,
-        PromptTokenCounter,
-        TrainConfig,
-        load_pool,
-        train_predictor,
-    )
-    from bearsdk.replay import (
-        IMPLEMENTATION,
-        BatchRecord,
-        Replayer,
-        ReplayerProtocol,
-        ReplayResult,
-        ScheduledBatch,
-        SchedulerCore,
-        StepOutput,
-        StopReason,
-    )
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.predictors import Predictor
     from bearsdk.router import (
         AsyncRouter,
         Candidate,
@@ -86,341 +41,254 @@ if TYPE_CHECKING:
         CircuitBreaker,
         ConfigError,
         Decision,
-        DecisionLog,
         DispatchError,
         EngineRequestError,
         FixedTarget,
         InstanceConfig,
         NoInstanceError,
         PaperTargets,
-        PrometheusMetrics,
         RequestError,
         RouterHooks,
         TargetRule,
         load_pool_config,
     )
+    from bearsdk.router.core import RouterCore
     from bearsdk.schedulers import (
-        Policy,
+        BoundScheduler,
         SchedulerSpec,
-        compile_policy,
+        bind_scheduler,
         get_scheduler,
         load_spec,
-        policy,
         register_scheduler,
         scheduler_names,
-        unregister_scheduler,
     )
-    from bearsdk.selectors import (
-        BEAR,
-        Lagrangian,
-        LatencyAgnostic,
-        LMDeployProxy,
-        Option,
-        PrefillTPS,
-        RoundRobin,
-        RouteBalance,
-        Score,
-        Selection,
-        Selector,
-        SelectorError,
-        SemanticRouter,
-        ShortestQueue,
-        make_selector,
-    )
-    from bearsdk.snapshot import (
-        KVState,
-        RequestState,
-        Snapshot,
-        decode_snapshot,
-        snapshot_from_dict,
-    )
-    from bearsdk.state import (
-        CachedSnapshot,
-        DispatchOverlay,
-        FastForward,
-        InstanceState,
-        ShadowView,
-        SnapshotCache,
-        StalenessPolicy,
-    )
-    from bearsdk.workload import WorkItem, arrivals, synthetic_workload
+    from bearsdk.selectors import BEAR, Lagrangian, Selector, make_selector
+    from bearsdk.state import StalenessRules
 
 __version__ = "0.1.0.dev0"
 
 # Public name -> the module it lives in. The one table both the lazy loader and
 # ``__all__`` are built from, so they cannot drift apart.
 _HOMES: dict[str, str] = {
+    # The router: the class to embed, its synchronous core, pools, decisions, targets
     "AsyncRouter": "bearsdk.router",
-    "BEAEstimator": "bearsdk.estimators.bea",
-    "BEALatencyEstimator": "bearsdk.estimators.bea_adapter",
-    "BEAR": "bearsdk.selectors",
-    "BatchObservation": "bearsdk.estimators.batch_time",
-    "BatchRecord": "bearsdk.replay",
-    "BatchTimeFit": "bearsdk.estimators.batch_time",
-    "BatchTimeModel": "bearsdk.estimators.batch_time",
-    "BearError": "bearsdk.errors",
-    "CachedSnapshot": "bearsdk.state",
+    "RouterCore": "bearsdk.router.core",
+    "InstanceConfig": "bearsdk.router",
+    "load_pool_config": "bearsdk.router",
+    "CircuitBreaker": "bearsdk.router",
+    "RouterHooks": "bearsdk.router",
+    "Decision": "bearsdk.router",
     "Candidate": "bearsdk.router",
     "ChatResponse": "bearsdk.router",
     "ChatStream": "bearsdk.router",
-    "CircuitBreaker": "bearsdk.router",
-    "Cluster": "bearsdk.cluster",
-    "ConfigError": "bearsdk.router",
-    "Decision": "bearsdk.router",
-    "DecisionLog": "bearsdk.router",
-    "DispatchError": "bearsdk.router",
-    "DispatchOverlay": "bearsdk.state",
-    "EmulatedEngine": "bearsdk.emulator",
-    "EngineConfig": "bearsdk.emulator",
-    "EnginePool": "bearsdk.emulator",
-    "EngineRequestError": "bearsdk.router",
-    "FastForward": "bearsdk.state",
     "FixedTarget": "bearsdk.router",
-    "GroundTruthParams": "bearsdk.emulator",
-    "IMPLEMENTATION": "bearsdk.replay",
-    "InstanceConfig": "bearsdk.router",
-    "InstanceState": "bearsdk.state",
-    "InstanceStats": "bearsdk.estimators.stats",
-    "InstanceView": "bearsdk.estimators.base",
-    "KVState": "bearsdk.snapshot",
-    "KnownLengths": "bearsdk.estimators.length",
-    "LMDeployProxy": "bearsdk.selectors",
-    "LMDeployProxyEstimator": "bearsdk.estimators.baselines",
-    "LPSEstimator": "bearsdk.estimators.lps",
-    "Lagrangian": "bearsdk.selectors",
-    "LatencyAgnostic": "bearsdk.selectors",
-    "LatencyEstimator": "bearsdk.estimators.base",
-    "LengthPredictor": "bearsdk.estimators.length",
-    "MeanLengthPredictor": "bearsdk.estimators.length",
-    "MetricsSource": "bearsdk.io",
-    "ModelSpec": "bearsdk.predictors",
-    "NoInstanceError": "bearsdk.router",
-    "OnlineBatchTime": "bearsdk.estimators.batch_time",
-    "Option": "bearsdk.selectors",
     "PaperTargets": "bearsdk.router",
-    "Policy": "bearsdk.schedulers",
-    "PollSource": "bearsdk.io",
-    "PoolPrediction": "bearsdk.predictors",
-    "PowerOfD": "bearsdk.cluster",
-    "Predictor": "bearsdk.predictors",
-    "PredictorError": "bearsdk.predictors",
-    "PredictorFormatError": "bearsdk.predictors",
-    "PrefillTPS": "bearsdk.selectors",
-    "PrefillThroughputEstimator": "bearsdk.estimators.prefill",
-    "PreparedSnapshot": "bearsdk.estimators.bea",
-    "PrometheusMetrics": "bearsdk.router",
-    "PromptTokenCounter": "bearsdk.predictors",
-    "PushSource": "bearsdk.io",
-    "QWEN3_POOL": "bearsdk.predictors",
-    "RedisBus": "bearsdk.io",
-    "RedisSnapshotBridge": "bearsdk.io",
-    "RedisSource": "bearsdk.io",
-    "RememberedLengths": "bearsdk.estimators.length",
-    "ReplayResult": "bearsdk.replay",
-    "Replayer": "bearsdk.replay",
-    "ReplayerProtocol": "bearsdk.replay",
-    "RequestError": "bearsdk.router",
-    "RequestInfo": "bearsdk.estimators.base",
-    "RequestResult": "bearsdk.evaluation",
-    "RequestState": "bearsdk.snapshot",
-    "RoundRobin": "bearsdk.selectors",
-    "RouteBalance": "bearsdk.selectors",
-    "RouteBalanceEstimator": "bearsdk.estimators.baselines",
-    "RouterHooks": "bearsdk.router",
-    "RunSummary": "bearsdk.evaluation",
-    "ScheduledBatch": "bearsdk.replay",
-    "SchedulerCore": "bearsdk.replay",
-    "SchedulerSpec": "bearsdk.schedulers",
-    "Score": "bearsdk.selectors",
-    "ScoreEstimator": "bearsdk.estimators.baselines",
-    "Selection": "bearsdk.selectors",
-    "Selector": "bearsdk.selectors",
-    "SelectorError": "bearsdk.selectors",
-    "SemanticRouter": "bearsdk.selectors",
-    "SemanticRouterEstimator": "bearsdk.estimators.baselines",
-    "ShadowView": "bearsdk.state",
-    "SharedOverlay": "bearsdk.cluster",
-    "ShmReader": "bearsdk.io",
-    "ShmSource": "bearsdk.io",
-    "ShmWriter": "bearsdk.io",
-    "ShortestQueue": "bearsdk.selectors",
-    "Snapshot": "bearsdk.snapshot",
-    "SnapshotCache": "bearsdk.state",
-    "SnapshotError": "bearsdk.errors",
-    "SnapshotPublisher": "bearsdk.io",
-    "SnapshotSource": "bearsdk.io",
-    "SpecError": "bearsdk.errors",
-    "StalenessPolicy": "bearsdk.state",
-    "StepOutput": "bearsdk.replay",
-    "StopReason": "bearsdk.replay",
-    "TTFTEstimate": "bearsdk.estimators.bea",
     "TargetRule": "bearsdk.router",
-    "TrainConfig": "bearsdk.predictors",
-    "WorkItem": "bearsdk.workload",
-    "arrivals": "bearsdk.workload",
-    "compile_policy": "bearsdk.schedulers",
-    "decode_snapshot": "bearsdk.snapshot",
-    "drive_workload": "bearsdk.evaluation",
-    "fit_batch_time": "bearsdk.estimators.batch_time",
-    "get_scheduler": "bearsdk.schedulers",
-    "load_pool": "bearsdk.predictors",
-    "load_pool_config": "bearsdk.router",
-    "load_profile": "bearsdk.estimators.profiles",
-    "load_spec": "bearsdk.schedulers",
+    # Errors
+    "BearError": "bearsdk.errors",
+    "SnapshotError": "bearsdk.errors",
+    "SpecError": "bearsdk.errors",
+    "ConfigError": "bearsdk.router",
+    "DispatchError": "bearsdk.router",
+    "EngineRequestError": "bearsdk.router",
+    "NoInstanceError": "bearsdk.router",
+    "RequestError": "bearsdk.router",
+    # Selectors (BEAR and friends; the baselines are in bearsdk.selectors)
+    "BEAR": "bearsdk.selectors",
+    "Lagrangian": "bearsdk.selectors",
+    "Selector": "bearsdk.selectors",
     "make_selector": "bearsdk.selectors",
-    "policy": "bearsdk.schedulers",
-    "profile_names": "bearsdk.estimators.profiles",
-    "read_batches": "bearsdk.estimators.batch_time",
+    # Scheduler specs (engine scheduling policies as data) and their registry
+    "SchedulerSpec": "bearsdk.schedulers",
+    "BoundScheduler": "bearsdk.schedulers",
+    "bind_scheduler": "bearsdk.schedulers",
+    "load_spec": "bearsdk.schedulers",
     "register_scheduler": "bearsdk.schedulers",
+    "get_scheduler": "bearsdk.schedulers",
     "scheduler_names": "bearsdk.schedulers",
-    "snapshot_from_dict": "bearsdk.snapshot",
-    "summarize": "bearsdk.evaluation",
-    "synthetic_workload": "bearsdk.workload",
-    "train_predictor": "bearsdk.predictors",
-    "unregister_scheduler": "bearsdk.schedulers",
+    # Staleness rules
+    "StalenessRules": "bearsdk.state",
+    # Estimator entry points
+    "BEAEstimator": "bearsdk.estimators.bea",
+    "LatencyEstimator": "bearsdk.estimators.base",
+    "RequestInfo": "bearsdk.estimators.base",
+    "InstanceView": "bearsdk.estimators.base",
+    "Predictor": "bearsdk.predictors",
+}
+
+# Names that were public here before the API was cut to the above (issue 18):
+# old name -> (its home, its name there). They resolve with a warning for one
+# release; then they go.
+_MOVED: dict[str, tuple[str, str]] = {
+    "BEALatencyEstimator": ("bearsdk.estimators", "BEALatencyEstimator"),
+    "BatchObservation": ("bearsdk.estimators", "BatchObservation"),
+    "BatchRecord": ("bearsdk.replay", "BatchRecord"),
+    "BatchTimeFit": ("bearsdk.estimators", "BatchTimeFit"),
+    "BatchTimeModel": ("bearsdk.estimators", "BatchTimeModel"),
+    "CachedSnapshot": ("bearsdk.state", "CachedSnapshot"),
+    "Cluster": ("bearsdk.cluster", "Cluster"),
+    "DecisionLog": ("bearsdk.router", "DecisionLog"),
+    "DispatchOverlay": ("bearsdk.state", "DispatchOverlay"),
+    "EmulatedEngine": ("bearsdk.emulator", "EmulatedEngine"),
+    "EngineConfig": ("bearsdk.emulator", "EngineConfig"),
+    "EnginePool": ("bearsdk.emulator", "EnginePool"),
+    "FastForward": ("bearsdk.state", "FastForward"),
+    "GroundTruthParams": ("bearsdk.emulator", "GroundTruthParams"),
+    "IMPLEMENTATION": ("bearsdk.replay", "IMPLEMENTATION"),
+    "InstanceState": ("bearsdk.state", "InstanceState"),
+    "InstanceStats": ("bearsdk.estimators", "InstanceStats"),
+    "KVState": ("bearsdk.snapshot", "KVState"),
+    "KnownLengths": ("bearsdk.estimators", "KnownLengths"),
+    "LMDeployProxy": ("bearsdk.selectors", "LMDeployProxy"),
+    "LMDeployProxyEstimator": ("bearsdk.estimators", "LMDeployProxyEstimator"),
+    "LPSEstimator": ("bearsdk.estimators", "LPSEstimator"),
+    "LatencyAgnostic": ("bearsdk.selectors", "LatencyAgnostic"),
+    "LengthPredictor": ("bearsdk.estimators", "LengthPredictor"),
+    "MeanLengthPredictor": ("bearsdk.estimators", "MeanLengthPredictor"),
+    "MetricsSource": ("bearsdk.io", "MetricsSource"),
+    "ModelSpec": ("bearsdk.predictors", "ModelSpec"),
+    "OnlineBatchTime": ("bearsdk.estimators", "OnlineBatchTime"),
+    "Option": ("bearsdk.selectors", "Option"),
+    "Policy": ("bearsdk.schedulers", "BoundScheduler"),
+    "PollSource": ("bearsdk.io", "PollSource"),
+    "PoolPrediction": ("bearsdk.predictors", "PoolPrediction"),
+    "PowerOfD": ("bearsdk.cluster", "PowerOfD"),
+    "PredictorError": ("bearsdk.predictors", "PredictorError"),
+    "PredictorFormatError": ("bearsdk.predictors", "PredictorFormatError"),
+    "PrefillTPS": ("bearsdk.selectors", "PrefillTPS"),
+    "PrefillThroughputEstimator": ("bearsdk.estimators", "PrefillThroughputEstimator"),
+    "PreparedSnapshot": ("bearsdk.estimators", "PreparedSnapshot"),
+    "PrometheusMetrics": ("bearsdk.router", "PrometheusMetrics"),
+    "PromptTokenCounter": ("bearsdk.predictors", "PromptTokenCounter"),
+    "PushSource": ("bearsdk.io", "PushSource"),
+    "QWEN3_POOL": ("bearsdk.predictors", "QWEN3_POOL"),
+    "RedisBus": ("bearsdk.cluster", "RedisBus"),
+    "RedisSnapshotBridge": ("bearsdk.cluster", "RedisSnapshotBridge"),
+    "RedisSource": ("bearsdk.cluster", "RedisSource"),
+    "RememberedLengths": ("bearsdk.estimators", "RememberedLengths"),
+    "ReplayResult": ("bearsdk.replay", "ReplayResult"),
+    "Replayer": ("bearsdk.replay", "Replayer"),
+    "ReplayerProtocol": ("bearsdk.replay", "ReplayerProtocol"),
+    "RequestResult": ("bearsdk.evaluation", "RequestResult"),
+    "RequestState": ("bearsdk.snapshot", "RequestState"),
+    "RoundRobin": ("bearsdk.selectors", "RoundRobin"),
+    "RouteBalance": ("bearsdk.selectors", "RouteBalance"),
+    "RouteBalanceEstimator": ("bearsdk.estimators", "RouteBalanceEstimator"),
+    "RunSummary": ("bearsdk.evaluation", "RunSummary"),
+    "ScheduledBatch": ("bearsdk.replay", "ScheduledBatch"),
+    "SchedulerCore": ("bearsdk.replay", "SchedulerCore"),
+    "Score": ("bearsdk.selectors", "Score"),
+    "ScoreEstimator": ("bearsdk.estimators", "ScoreEstimator"),
+    "Selection": ("bearsdk.selectors", "Selection"),
+    "SelectorError": ("bearsdk.selectors", "SelectorError"),
+    "SemanticRouter": ("bearsdk.selectors", "SemanticRouter"),
+    "SemanticRouterEstimator": ("bearsdk.estimators", "SemanticRouterEstimator"),
+    "ShadowView": ("bearsdk.state", "ShadowView"),
+    "SharedOverlay": ("bearsdk.cluster", "SharedOverlay"),
+    "ShmReader": ("bearsdk.io", "ShmReader"),
+    "ShmSource": ("bearsdk.io", "ShmSource"),
+    "ShmWriter": ("bearsdk.io", "ShmWriter"),
+    "ShortestQueue": ("bearsdk.selectors", "ShortestQueue"),
+    "Snapshot": ("bearsdk.snapshot", "Snapshot"),
+    "SnapshotCache": ("bearsdk.state", "SnapshotCache"),
+    "SnapshotPublisher": ("bearsdk.io", "SnapshotPublisher"),
+    "SnapshotSource": ("bearsdk.io", "SnapshotSource"),
+    "StalenessPolicy": ("bearsdk", "StalenessRules"),
+    "StepOutput": ("bearsdk.replay", "StepOutput"),
+    "StopReason": ("bearsdk.replay", "StopReason"),
+    "TTFTEstimate": ("bearsdk.estimators", "TTFTEstimate"),
+    "TrainConfig": ("bearsdk.predictors", "TrainConfig"),
+    "WorkItem": ("bearsdk.workload", "WorkItem"),
+    "arrivals": ("bearsdk.workload", "arrivals"),
+    "compile_policy": ("bearsdk.schedulers", "compile_scheduler"),
+    "decode_snapshot": ("bearsdk.snapshot", "decode_snapshot"),
+    "drive_workload": ("bearsdk.evaluation", "drive_workload"),
+    "fit_batch_time": ("bearsdk.estimators", "fit_batch_time"),
+    "load_pool": ("bearsdk.predictors", "load_pool"),
+    "load_profile": ("bearsdk.estimators", "load_profile"),
+    "policy": ("bearsdk", "bind_scheduler"),
+    "profile_names": ("bearsdk.estimators", "profile_names"),
+    "read_batches": ("bearsdk.estimators", "read_batches"),
+    "snapshot_from_dict": ("bearsdk.snapshot", "snapshot_from_dict"),
+    "summarize": ("bearsdk.evaluation", "summarize"),
+    "synthetic_workload": ("bearsdk.workload", "synthetic_workload"),
+    "train_predictor": ("bearsdk.predictors", "train_predictor"),
+    "unregister_scheduler": ("bearsdk.schedulers", "unregister_scheduler"),
 }
 
 __all__ = [
     "BEAR",
-    "IMPLEMENTATION",
-    "QWEN3_POOL",
     "AsyncRouter",
     "BEAEstimator",
-    "BEALatencyEstimator",
-    "BatchObservation",
-    "BatchRecord",
-    "BatchTimeFit",
-    "BatchTimeModel",
     "BearError",
-    "CachedSnapshot",
+    "BoundScheduler",
     "Candidate",
     "ChatResponse",
     "ChatStream",
     "CircuitBreaker",
-    "Cluster",
     "ConfigError",
     "Decision",
-    "DecisionLog",
     "DispatchError",
-    "DispatchOverlay",
-    "EmulatedEngine",
-    "EngineConfig",
-    "EnginePool",
     "EngineRequestError",
-    "FastForward",
     "FixedTarget",
-    "GroundTruthParams",
     "InstanceConfig",
-    "InstanceState",
-    "InstanceStats",
     "InstanceView",
-    "KVState",
-    "KnownLengths",
-    "LMDeployProxy",
-    "LMDeployProxyEstimator",
-    "LPSEstimator",
     "Lagrangian",
-    "LatencyAgnostic",
     "LatencyEstimator",
-    "LengthPredictor",
-    "MeanLengthPredictor",
-    "MetricsSource",
-    "ModelSpec",
     "NoInstanceError",
-    "OnlineBatchTime",
-    "Option",
     "PaperTargets",
-    "Policy",
-    "PollSource",
-    "PoolPrediction",
-    "PowerOfD",
     "Predictor",
-    "PredictorError",
-    "PredictorFormatError",
-    "PrefillTPS",
-    "PrefillThroughputEstimator",
-    "PreparedSnapshot",
-    "PrometheusMetrics",
-    "PromptTokenCounter",
-    "PushSource",
-    "RedisBus",
-    "RedisSnapshotBridge",
-    "RedisSource",
-    "RememberedLengths",
-    "ReplayResult",
-    "Replayer",
-    "ReplayerProtocol",
     "RequestError",
     "RequestInfo",
-    "RequestResult",
-    "RequestState",
-    "RoundRobin",
-    "RouteBalance",
-    "RouteBalanceEstimator",
+    "RouterCore",
     "RouterHooks",
-    "RunSummary",
-    "ScheduledBatch",
-    "SchedulerCore",
     "SchedulerSpec",
-    "Score",
-    "ScoreEstimator",
-    "Selection",
     "Selector",
-    "SelectorError",
-    "SemanticRouter",
-    "SemanticRouterEstimator",
-    "ShadowView",
-    "SharedOverlay",
-    "ShmReader",
-    "ShmSource",
-    "ShmWriter",
-    "ShortestQueue",
-    "Snapshot",
-    "SnapshotCache",
     "SnapshotError",
-    "SnapshotPublisher",
-    "SnapshotSource",
     "SpecError",
-    "StalenessPolicy",
-    "StepOutput",
-    "StopReason",
-    "TTFTEstimate",
+    "StalenessRules",
     "TargetRule",
-    "TrainConfig",
-    "WorkItem",
     "__version__",
-    "arrivals",
-    "compile_policy",
-    "decode_snapshot",
-    "drive_workload",
-    "fit_batch_time",
+    "bind_scheduler",
     "get_scheduler",
-    "load_pool",
     "load_pool_config",
-    "load_profile",
     "load_spec",
     "make_selector",
-    "policy",
-    "profile_names",
-    "read_batches",
     "register_scheduler",
     "scheduler_names",
-    "snapshot_from_dict",
-    "summarize",
-    "synthetic_workload",
-    "train_predictor",
-    "unregister_scheduler",
+    "twins",
 ]
+
+
+def twins() -> dict[str, str]:
+    """Which implementation of each twin pair is in use.
+
+    Returns:
+        ``"cython"`` or ``"python"`` for every pair (replay, snapshot decoder,
+        prompt features, shared-memory seqlock, vLLM publisher capture), as
+        ``bearsdk --version`` prints them; ``BEARSDK_NO_EXTENSIONS=1`` gives
+        ``"python"`` everywhere.
+    """
+    from bearsdk import _twins
+
+    return _twins.loaded()
 
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+        # Cache it: the next access is a plain module attribute, no hook.
+        globals()[name] = value
+        return value
+    moved = _MOVED.get(name)
+    if moved is None:
         raise AttributeError(f"module 'bearsdk' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    # Cache it: the next access is a plain module attribute, no hook.
-    globals()[name] = value
-    return value
+    module, new = moved
+    hint = f"import it from {module}" if new == name else f"use {module}.{new}"
+    # Not cached, so that every use warns (the warnings filter decides how often).
+    warnings.warn(f"bearsdk.{name} is deprecated: {hint}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), new)
 
 
 def __dir__() -> list[str]:

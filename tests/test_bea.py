@@ -27,7 +27,7 @@ def dec(rid: str, prompt: int, out: int, total: int | None = None, ph: int = 0) 
 def test_single_batch_time_is_eq12(impl: str) -> None:
     snap = Snapshot.build([dec("a", 500, 201, 400)], kv=KVState(16, 1000, 900))
     est = BEAEstimator(
-        bearsdk.policy("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
+        bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
     )
     r = est.estimate(snap, 512, 10, explain=True)
     assert r.first_token_batch == 1
@@ -43,7 +43,7 @@ def test_single_batch_time_is_eq12(impl: str) -> None:
 def test_inflight_remaining_is_added(impl: str) -> None:
     reqs = [dec("a", 500, 201, 400)]
     est = BEAEstimator(
-        bearsdk.policy("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
+        bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False}), BT, implementation=impl
     )
     base = est.estimate(Snapshot.build(reqs), 64, 10).ttft_s
     r = est.estimate(Snapshot.build(reqs, inflight_remaining_s=0.0123), 64, 10)
@@ -53,7 +53,7 @@ def test_inflight_remaining_is_added(impl: str) -> None:
 
 def test_chunked_prefill_spans_batches(impl: str) -> None:
     est = BEAEstimator(
-        bearsdk.policy(
+        bearsdk.bind_scheduler(
             "vllm-v1", {"max_num_batched_tokens": 256, "max_num_seqs": 8, "async_scheduling": False}
         ),
         BT,
@@ -82,7 +82,7 @@ def test_unknown_lengths_are_predicted_with_one_token_to_go() -> None:
 def test_prediction_changes_the_estimate(impl: str) -> None:
     # Memory only frees when the resident finishes: its predicted length decides.
     snap = Snapshot.build([dec("a", 1000, 10)], kv=KVState(16, 80, 80 - 63 - 1))
-    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False})
+    pol = bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False})
     short = BEAEstimator(pol, BT, MeanLengthPredictor(mean=50), implementation=impl).estimate(
         snap, 400, 5
     )
@@ -98,7 +98,7 @@ def test_prediction_changes_the_estimate(impl: str) -> None:
 
 def test_never_admitted_is_infinite(impl: str) -> None:
     snap = Snapshot.build([], kv=KVState(16, 10, 9))
-    est = BEAEstimator(bearsdk.policy("vllm-v1"), BT, implementation=impl)
+    est = BEAEstimator(bearsdk.bind_scheduler("vllm-v1"), BT, implementation=impl)
     r = est.estimate(snap, 5000, 10)
     assert r.stop_reason is StopReason.NEVER_ADMITTED
     assert math.isinf(r.ttft_s)
@@ -117,7 +117,7 @@ def test_hot_path_equals_full_estimate(impl: str) -> None:
     ]
     snap = Snapshot.build(reqs, kv=KVState(16, 20000, 20000 - 3000), inflight_remaining_s=0.002)
     est = BEAEstimator(
-        bearsdk.policy("vllm-v1", {"max_num_batched_tokens": 2048}), BT, implementation=impl
+        bearsdk.bind_scheduler("vllm-v1", {"max_num_batched_tokens": 2048}), BT, implementation=impl
     )
     prep = est.prepare(snap)
     for p in (16, 700, 5000):
@@ -129,7 +129,9 @@ def test_hot_path_equals_full_estimate(impl: str) -> None:
 
 def test_snapshot_kv_overrides_policy_geometry(impl: str) -> None:
     snap = Snapshot.build([dec("a", 64, 1, 100)], kv=KVState(32, 500, 497))
-    est = BEAEstimator(bearsdk.policy("vllm-v1", {"block_size": 16}), BT, implementation=impl)
+    est = BEAEstimator(
+        bearsdk.bind_scheduler("vllm-v1", {"block_size": 16}), BT, implementation=impl
+    )
     assert est.prepare(snap).replayer.policy.block_size == 32
 
 
@@ -141,7 +143,9 @@ def test_richer_dense_term_is_priced_per_batch(impl: str) -> None:
         dec(f"d{i}", int(rng.integers(100, 900)), int(rng.integers(1, 50)), 400) for i in range(12)
     ]
     snap = Snapshot.build(reqs, kv=KVState(16, 2000, 2000 - 800))
-    pol = bearsdk.policy("vllm-v1", {"max_num_batched_tokens": 512, "async_scheduling": False})
+    pol = bearsdk.bind_scheduler(
+        "vllm-v1", {"max_num_batched_tokens": 512, "async_scheduling": False}
+    )
     r = BEAEstimator(pol, bt, implementation=impl).estimate(snap, 3000, 10, explain=True)
     assert r.batches is not None
     assert len(r.batches) == 6  # 3000 prompt tokens, 500 per batch next to 12 decodes
@@ -154,7 +158,7 @@ def test_richer_dense_term_is_priced_per_batch(impl: str) -> None:
 def test_dense_floor_in_closed_form_decode_runs(impl: str) -> None:
     # Few decodes, memory-bound wait: the closed-form runs must price the floor too.
     snap = Snapshot.build([dec("a", 1000, 10, 200), dec("b", 300, 5, 60)], kv=KVState(16, 100, 15))
-    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False})
+    pol = bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False})
     bt = BT.with_dense_floor(128)
     r = BEAEstimator(pol, bt, implementation=impl).estimate(snap, 600, 5, explain=True)
     assert r.batches is not None

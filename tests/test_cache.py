@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bearsdk import BatchTimeModel, BEAEstimator
+from bearsdk import BEAEstimator
+from bearsdk.estimators import BatchTimeModel
 from bearsdk.state import Outcome, Reject, SnapshotCache
 
 BT = BatchTimeModel(4e-3, 2e-5, 5e-8, 1e-10)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import bearsdk
 from bearsdk.replay import ScheduledBatch, SchedulerCore
-from bearsdk.schedulers import compile_policy
+from bearsdk.schedulers import compile_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
 POLICIES = {
@@ -88,7 +88,7 @@ def test_replay_of_exported_snapshot_predicts_the_core(
     name: str, arrivals: list[tuple[int, int, int, int]], at: int, new: tuple[int, int]
 ) -> None:
     sched, params = POLICIES[name]
-    pol = bearsdk.policy(sched, params)
+    pol = bearsdk.bind_scheduler(sched, params)
     depth = 2 if pol.async_scheduling else 1
     eng = Engine(SchedulerCore(pol), depth)
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -112,7 +112,7 @@ def test_replay_of_exported_snapshot_predicts_the_core(
     for impl in ("python", "cython"):
         if impl not in bearsdk.replay.implementations():
             continue
-        rp = compile_policy(pol, impl)
+        rp = compile_scheduler(pol, impl)
         assert snap.kv is not None
         res = rp.replay(
             rp.prepare(snap.table, snap.kv.free_blocks), new[0], new[1], max_tokens=new[1]
@@ -121,7 +121,7 @@ def test_replay_of_exported_snapshot_predicts_the_core(
 
 
 def test_core_lifecycle() -> None:
-    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False, "num_gpu_blocks": 100})
+    pol = bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False, "num_gpu_blocks": 100})
     core = SchedulerCore(pol)
     core.add_request("a", 20, 3)
     with pytest.raises(ValueError, match="already resident"):

@@ -13,7 +13,7 @@ import pytest
 
 from bearsdk.emulator import EmulatedEngine, EngineConfig, PublishedSnapshot, RequestHandle
 from bearsdk.replay import implementations
-from bearsdk.schedulers import compile_policy
+from bearsdk.schedulers import compile_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
 SMALL = {"max_num_seqs": 8, "num_gpu_blocks": 130, "max_model_len": 2048}
@@ -89,7 +89,7 @@ async def test_replay_from_published_snapshot_predicts_first_token_batch(case: s
     # Probes queued behind others, some for many batches: the test is not trivial.
     assert max(h.first_token_batch - s.batches for s, h, _, _ in probes) >= 4
     for impl in implementations():
-        rp = compile_policy(policy, impl)
+        rp = compile_scheduler(policy, impl)
         for snap, h, p, n in probes:
             s = snapshot_from_dict(snap.doc)
             assert s.kv is not None

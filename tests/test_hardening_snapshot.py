@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bearsdk import BatchTimeModel, BEAEstimator, SnapshotError
+from bearsdk import BEAEstimator, SnapshotError
+from bearsdk.estimators import BatchTimeModel
 from bearsdk.snapshot import (
     MAX_BLOCK_SIZE,
     MAX_ID_CHARS,

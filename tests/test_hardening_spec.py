@@ -17,7 +17,7 @@ import pytest
 import bearsdk
 from bearsdk import SpecError
 from bearsdk.replay import implementations
-from bearsdk.schedulers import compile_policy, load_spec, spec_from_dict
+from bearsdk.schedulers import compile_scheduler, load_spec, spec_from_dict
 from bearsdk.snapshot import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, MAX_REQUEST_TOKENS, MAX_REQUESTS
 
 SPECS = Path(__file__).parent.parent / "bearsdk" / "schedulers" / "specs"
@@ -107,9 +107,9 @@ def test_a_typo_in_a_param_suggests_the_right_name() -> None:
 
 def test_an_unknown_override_suggests_the_right_name() -> None:
     with pytest.raises(SpecError, match=r"did you mean 'max_num_seqs'\?"):
-        bearsdk.policy("vllm-v1", {"max_num_seq": 8})
+        bearsdk.bind_scheduler("vllm-v1", {"max_num_seq": 8})
     with pytest.raises(SpecError, match=r"colour is not a parameter of this scheduler"):
-        bearsdk.policy("vllm-v1", {"colour": 1})
+        bearsdk.bind_scheduler("vllm-v1", {"colour": 1})
 
 
 def test_an_unknown_block_field_suggests_the_right_name() -> None:
@@ -123,7 +123,7 @@ def test_an_unknown_block_field_suggests_the_right_name() -> None:
 @pytest.mark.parametrize("bs", [MAX_BLOCK_SIZE + 1, 10**12, 2**61, 2**63 - 1])
 def test_a_huge_block_size_is_a_spec_error_in_every_implementation(impl: str, bs: int) -> None:
     with pytest.raises(SpecError) as ei:
-        compile_policy(bearsdk.policy("vllm-v1", {"block_size": bs}), impl)
+        compile_scheduler(bearsdk.bind_scheduler("vllm-v1", {"block_size": bs}), impl)
     assert str(ei.value) == (
         f"scheduler 'vllm-v1': block_size must be <= {MAX_BLOCK_SIZE} (got {bs})"
     )
@@ -148,25 +148,25 @@ def test_numeric_params_are_bounded_physically(param: str, value: int, cap: int)
     if param == "max_num_seqs":
         params["max_num_batched_tokens"] = MAX_REQUEST_TOKENS
     with pytest.raises(SpecError) as ei:
-        bearsdk.policy("vllm-v1", params)
+        bearsdk.bind_scheduler("vllm-v1", params)
     assert str(ei.value) == f"scheduler 'vllm-v1': {param} must be <= {cap} (got {value})"
 
 
 def test_policies_at_the_caps_replay_in_every_implementation() -> None:
-    pol = bearsdk.policy(
+    pol = bearsdk.bind_scheduler(
         "vllm-v1",
         {"block_size": MAX_BLOCK_SIZE, "num_gpu_blocks": MAX_NUM_BLOCKS, "max_model_len": 2**20},
     )
     table = np.array([[0, 300, 300, 2, 60, 60, 0], [1, 200, 0, 0, 20, 20, 0]], dtype=np.int64)
     out = {}
     for impl in implementations():
-        rep = compile_policy(pol, impl)
+        rep = compile_scheduler(pol, impl)
         out[impl] = rep.replay(rep.prepare(table), 150, 10).first_token_batch
     assert len(set(out.values())) == 1
 
 
 def test_with_kv_is_bounded() -> None:
-    pol = bearsdk.policy("vllm-v1")
+    pol = bearsdk.bind_scheduler("vllm-v1")
     with pytest.raises(SpecError, match=r"kv.block_size must be in \[1, "):
         pol.with_kv(10**12, 100)
     with pytest.raises(SpecError, match=r"kv.num_blocks must be in \[0, "):

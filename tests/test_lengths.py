@@ -114,7 +114,7 @@ def test_resolved_lengths_leave_a_token_and_respect_max_tokens(
 
 
 def test_estimate_uses_the_remembered_length(impl: str) -> None:
-    pol = bearsdk.policy("vllm-v1", {"async_scheduling": False, "num_gpu_blocks": 120})
+    pol = bearsdk.bind_scheduler("vllm-v1", {"async_scheduling": False, "num_gpu_blocks": 120})
     lengths = RememberedLengths(mean=20.0)
     lengths.remember(RID, 900)
     est = BEAEstimator(pol, BT, lengths, implementation=impl)

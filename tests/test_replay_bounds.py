@@ -14,15 +14,15 @@ import orjson
 import pytest
 
 import bearsdk
-from bearsdk.estimators import BEAEstimator
+from bearsdk.estimators import BatchTimeModel, BEAEstimator
 from bearsdk.replay import StopReason, implementations
 from bearsdk.replay.types import MAX_REPLAY_WORK, MAX_REPLAY_WORK_PY
-from bearsdk.schedulers import compile_policy
+from bearsdk.schedulers import compile_scheduler
 from bearsdk.snapshot import COLUMNS
 from bearsdk.state import SnapshotCache
 
 COEFFS = (4e-3, 2.2e-5, 5e-8, 1.2e-10)
-BT = bearsdk.BatchTimeModel(*COEFFS)
+BT = BatchTimeModel(*COEFFS)
 
 
 def running(n: int, prompt: int = 1000, outputs: int = 24, output_len: int = 1024) -> np.ndarray:
@@ -55,7 +55,7 @@ def doc(n: int, seq: int = 1) -> bytes:
 
 
 def test_more_running_than_seats_is_refused(impl: str) -> None:
-    rp = compile_policy(bearsdk.policy("vllm-v1", {"max_num_seqs": 128}), impl)
+    rp = compile_scheduler(bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 128}), impl)
     rp.prepare(running(128))  # at the limit: a real state
     with pytest.raises(ValueError, match=r"129 running.*max_num_seqs 128"):
         rp.prepare(running(129))
@@ -79,7 +79,7 @@ def test_cache_counts_the_refusal_and_keeps_the_good_snapshot(impl: str) -> None
 @pytest.mark.parametrize("scheduler", ["vllm-v1", "sarathi", "prefill-first"])
 def test_work_bound_returns_a_lower_bound(impl: str, scheduler: str) -> None:
     # Every seat taken: the new request waits ~1000 batches for one.
-    rp = compile_policy(bearsdk.policy(scheduler, {"max_num_seqs": 64}), impl)
+    rp = compile_scheduler(bearsdk.bind_scheduler(scheduler, {"max_num_seqs": 64}), impl)
     prep = rp.prepare(running(64))
     full = rp.replay(prep, 2048, 100, COEFFS)
     assert full.stop_reason is StopReason.FIRST_TOKEN
@@ -92,7 +92,7 @@ def test_work_bound_returns_a_lower_bound(impl: str, scheduler: str) -> None:
 
 
 def test_batch_limit_returns_a_lower_bound(impl: str) -> None:
-    rp = compile_policy(bearsdk.policy("vllm-v1", {"max_num_seqs": 64}), impl)
+    rp = compile_scheduler(bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 64}), impl)
     prep = rp.prepare(running(64))
     full = rp.replay(prep, 2048, 100, COEFFS)
     cut = rp.replay(prep, 2048, 100, COEFFS, max_batches=3, record=True)
@@ -109,7 +109,7 @@ def test_twins_agree_on_the_batch_limit() -> None:
         pytest.skip("compiled replay not built")
     out = []
     for name in ("python", "cython"):
-        rp = impls[name](bearsdk.policy("vllm-v1", {"max_num_seqs": 64}))
+        rp = impls[name](bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 64}))
         prep = rp.prepare(running(64))
         out.append(rp.replay(prep, 2048, 100, COEFFS, max_batches=5, record=True))
     assert out[0].batches == out[1].batches
@@ -117,7 +117,7 @@ def test_twins_agree_on_the_batch_limit() -> None:
 
 
 def test_work_bound_must_be_an_integer(impl: str) -> None:
-    rp = compile_policy(bearsdk.policy("vllm-v1"), impl)
+    rp = compile_scheduler(bearsdk.bind_scheduler("vllm-v1"), impl)
     prep = rp.prepare(running(4))
     with pytest.raises(ValueError, match="max_work"):
         rp.replay(prep, 16, 1, COEFFS, max_work=1.5)  # type: ignore[arg-type]
@@ -178,7 +178,7 @@ def test_a_placeholder_pins_the_exact_path_only_until_it_lands() -> None:
     impls = implementations()
     if "cython" not in impls:
         pytest.skip("compiled replay not built")
-    pol = bearsdk.policy("vllm-v1", {"max_num_seqs": 256, "max_num_batched_tokens": 2048})
+    pol = bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 256, "max_num_batched_tokens": 2048})
     tab = prefills_with_a_token_in_flight(256)
     ref = impls["python"](pol)
     big = 1 << 40  # the exact path all the way takes more than the default bound

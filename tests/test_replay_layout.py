@@ -16,7 +16,6 @@ def test_the_live_scheduler_is_an_ordinary_module() -> None:
     assert replay.SchedulerCore is scheduler.SchedulerCore
     assert replay.ScheduledBatch is scheduler.ScheduledBatch
     assert replay.StepOutput is scheduler.StepOutput
-    assert bearsdk.SchedulerCore is scheduler.SchedulerCore
 
 
 def test_the_twin_holds_only_what_is_twinned() -> None:
@@ -28,7 +27,8 @@ def test_the_twin_holds_only_what_is_twinned() -> None:
 def test_compile_policy_is_re_exported_from_the_schedulers_package() -> None:
     assert schedulers.compile_policy is compile.compile_policy
     assert compiler.compile_policy is compile.compile_policy
-    assert bearsdk.compile_policy is compile.compile_policy
+    assert schedulers.compile_scheduler is compile.compile_policy
+    assert bearsdk.bind_scheduler is schedulers.bind_scheduler
     pol = schedulers.policy("vllm-v1")
     assert compile.compile_policy(pol) is schedulers.compile_policy(pol)
 

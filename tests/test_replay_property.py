@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from bearsdk.replay import implementations
 from bearsdk.schedulers import (
-    Policy,
-    compile_policy,
+    BoundScheduler,
+    compile_scheduler,
     get_scheduler,
     scheduler_names,
     spec_from_dict,
@@ -41,7 +41,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @st.composite
-def custom_policy(draw: st.DrawFn) -> Policy:
+def custom_policy(draw: st.DrawFn) -> BoundScheduler:
     stages = draw(
         st.sampled_from(
             [
@@ -106,7 +106,7 @@ def custom_policy(draw: st.DrawFn) -> Policy:
 
 
 @st.composite
-def builtin_policy(draw: st.DrawFn, name: str) -> Policy:
+def builtin_policy(draw: st.DrawFn, name: str) -> BoundScheduler:
     spec = get_scheduler(name)
     pol = spec.bind()
     over: dict[str, object] = {}
@@ -151,7 +151,7 @@ def builtin_policy(draw: st.DrawFn, name: str) -> Policy:
 
 
 @st.composite
-def workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
+def workload(draw: st.DrawFn, pol: BoundScheduler) -> dict[str, Any]:
     """A snapshot consistent with the policy, plus a new request."""
     mml = pol.max_model_len
     plim = (mml - 2) if mml else 3000
@@ -208,7 +208,7 @@ def workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
 
 
 @st.composite
-def tiny_workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
+def tiny_workload(draw: st.DrawFn, pol: BoundScheduler) -> dict[str, Any]:
     """One or two residents with tiny counts, in any state the snapshot validator accepts.
 
     Engines never report some of these (every token computed, a placeholder
@@ -246,20 +246,20 @@ def tiny_workload(draw: st.DrawFn, pol: Policy) -> dict[str, Any]:
     }
 
 
-def _check(pol: Policy, w: dict[str, Any]) -> None:
-    tw = compile_policy(pol, "python")
+def _check(pol: BoundScheduler, w: dict[str, Any]) -> None:
+    tw = compile_scheduler(pol, "python")
     # Size the pool so the running requests fit, with `extra` blocks to spare.
-    probe = compile_policy(pol.with_kv(pol.block_size, PROBE_POOL), "python")
+    probe = compile_scheduler(pol.with_kv(pol.block_size, PROBE_POOL), "python")
     held = PROBE_POOL - pol.reserved_blocks - probe.prepare(w["table"]).free_blocks
     if w["unlimited"]:
         p2 = pol.with_kv(pol.block_size, 0)
     else:
         p2 = pol.with_kv(pol.block_size, held + pol.reserved_blocks + w["extra"] + 1)
-    tw = compile_policy(p2, "python")
+    tw = compile_scheduler(p2, "python")
     ref = tw.replay(
         tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True, max_batches=MAX_BATCHES
     )
-    c = compile_policy(p2, "cython")
+    c = compile_scheduler(p2, "cython")
     for slow in (False, True):
         c.force_slow = slow
         try:

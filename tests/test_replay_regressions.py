@@ -13,14 +13,14 @@ import pytest
 
 import bearsdk
 from bearsdk.replay import implementations
-from bearsdk.schedulers import Policy, compile_policy, spec_from_dict
+from bearsdk.schedulers import BoundScheduler, compile_scheduler, spec_from_dict
 
 pytestmark = pytest.mark.skipif(
     "cython" not in implementations(), reason="compiled replay not built"
 )
 
 
-def custom(**blocks: Any) -> Policy:
+def custom(**blocks: Any) -> BoundScheduler:
     doc: dict[str, Any] = {
         "name": "custom",
         "params": {"budget": 16},
@@ -53,7 +53,7 @@ V1_TINY = {
     "scheduler_reserve_full_isl": False,
 }
 
-CASES: list[tuple[str, Policy, list[list[int]], int | None, int, int]] = [
+CASES: list[tuple[str, BoundScheduler, list[list[int]], int | None, int, int]] = [
     # (what went wrong, policy, snapshot rows, pool size or None for unlimited, prompt, output)
     (
         "admitted request served twice when admissions come first",
@@ -93,7 +93,7 @@ CASES: list[tuple[str, Policy, list[list[int]], int | None, int, int]] = [
     ),
     (
         "a token delivered twice to a request that went lazy and back",
-        bearsdk.policy("vllm-v1", V1_TINY),
+        bearsdk.bind_scheduler("vllm-v1", V1_TINY),
         [[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 2, 2, 0]],
         None,
         1,
@@ -117,7 +117,7 @@ CASES: list[tuple[str, Policy, list[list[int]], int | None, int, int]] = [
     ),
     (
         "padded width kept a preempted victim's chunk after it left the batch",
-        Policy(
+        BoundScheduler(
             name="custom",
             token_budget=400,
             max_seqs=5,
@@ -163,7 +163,7 @@ CASES: list[tuple[str, Policy, list[list[int]], int | None, int, int]] = [
     ),
     (
         "closed-form run with nothing in flight left its last batch unprocessed",
-        bearsdk.policy("vllm-v1", V1_TINY),
+        bearsdk.bind_scheduler("vllm-v1", V1_TINY),
         [[0, 1, 1, 1, 3, 2, 0], [0, 1, 1, 1, 4, 3, 0]],
         None,
         1,
@@ -176,13 +176,13 @@ CASES: list[tuple[str, Policy, list[list[int]], int | None, int, int]] = [
     ("why", "pol", "rows", "pool", "prompt", "out"), CASES, ids=[c[0] for c in CASES]
 )
 def test_compiled_equals_twin(
-    why: str, pol: Policy, rows: list[list[int]], pool: int | None, prompt: int, out: int
+    why: str, pol: BoundScheduler, rows: list[list[int]], pool: int | None, prompt: int, out: int
 ) -> None:
     table = np.array(rows, dtype=np.int64).reshape(len(rows), 7)
     pol = pol.with_kv(pol.block_size, pool or 0)
-    tw = compile_policy(pol, "python")
+    tw = compile_scheduler(pol, "python")
     ref = tw.replay(tw.prepare(table), prompt, out, record=True, max_batches=100)
-    c = compile_policy(pol, "cython")
+    c = compile_scheduler(pol, "cython")
     for slow in (False, True):
         c.force_slow = slow
         try:

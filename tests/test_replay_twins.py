@@ -21,7 +21,7 @@ import pytest
 from oracle.compare import Tally, compare
 
 from bearsdk.replay import ReplayResult, implementations
-from bearsdk.schedulers import Policy, get_scheduler
+from bearsdk.schedulers import BoundScheduler, get_scheduler
 from bearsdk.snapshot import NCOLS
 
 pytestmark = pytest.mark.skipif(
@@ -53,7 +53,9 @@ def single_resident_rows() -> Iterator[list[int]]:
                     yield [0, prompt, computed, out, mt, total, ph]
 
 
-def _replay(pol: Policy, impl: str, row: list[int], free: int, prompt: int, slow: bool) -> object:
+def _replay(
+    pol: BoundScheduler, impl: str, row: list[int], free: int, prompt: int, slow: bool
+) -> object:
     rp = implementations()[impl](pol)
     if slow:
         rp.force_slow = True  # type: ignore[attr-defined]

@@ -9,7 +9,8 @@ import anyio
 import pytest
 from aiohttp import web
 
-from bearsdk import BatchTimeModel, BEAEstimator
+from bearsdk import BEAEstimator
+from bearsdk.estimators import BatchTimeModel
 from bearsdk.io import Backoff, EngineMetrics, MetricsSource, parse_vllm_metrics
 from bearsdk.io.metrics import MetricsError
 from bearsdk.snapshot import STATE_RUNNING, STATE_WAITING, snapshot_from_dict

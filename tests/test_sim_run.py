@@ -25,7 +25,7 @@ from bearsdk.sim import (
     summarize,
 )
 from bearsdk.sim.inputs import SimInputError, engine_output_lengths
-from bearsdk.state import StalenessPolicy
+from bearsdk.state import StalenessRules
 from bearsdk.workload import requests_at, task_prompts
 
 N = 300
@@ -110,7 +110,7 @@ def test_stale_snapshots_go_through_the_routers_staleness_handling(requests: Req
     stale = _run(requests, "bear", staleness_s=0.4)
     assert "fast-forward" in stale.ttft_mape
     assert stale.ttft_mape.keys() != fresh.ttft_mape.keys() or stale != fresh
-    paper = _run(requests, "bear", staleness_s=0.4, router_staleness=StalenessPolicy.paper())
+    paper = _run(requests, "bear", staleness_s=0.4, router_staleness=StalenessRules.paper())
     # Replays whatever it has; only before the first snapshot arrives, the fallback.
     assert set(paper.ttft_mape) == {"all", "bea", "lps"}
 

@@ -11,8 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bearsdk import KVState, RequestState, Snapshot, SnapshotError, decode_snapshot
-from bearsdk.snapshot import COL_OUTPUT_LEN, COL_STATE, snapshot_from_dict
+from bearsdk import SnapshotError
+from bearsdk.snapshot import (
+    COL_OUTPUT_LEN,
+    COL_STATE,
+    KVState,
+    RequestState,
+    Snapshot,
+    decode_snapshot,
+    snapshot_from_dict,
+)
 
 
 def doc(**over: Any) -> dict[str, Any]:

@@ -9,9 +9,9 @@ import pytest
 
 import bearsdk
 from bearsdk import SpecError
-from bearsdk.replay import implementations
+from bearsdk.replay import IMPLEMENTATION, implementations
 from bearsdk.schedulers import (
-    compile_policy,
+    compile_scheduler,
     get_scheduler,
     load_spec,
     register_scheduler,
@@ -38,9 +38,9 @@ def minimal(**over: object) -> dict[str, object]:
 def test_builtins_are_registered_and_valid() -> None:
     assert set(scheduler_names()) >= BUILTINS
     for name in BUILTINS:
-        pol = bearsdk.policy(name)
+        pol = bearsdk.bind_scheduler(name)
         assert pol.name == name
-        assert compile_policy(pol).policy == pol
+        assert compile_scheduler(pol).policy == pol
 
 
 def test_vllm_v1_mirrors_engine_flags() -> None:
@@ -73,7 +73,7 @@ def test_vllm_v1_mirrors_engine_flags() -> None:
 
 def test_error_names_policy_param_and_value() -> None:
     with pytest.raises(SpecError) as ei:
-        bearsdk.policy("sarathi", {"chunk_size": 0})
+        bearsdk.bind_scheduler("sarathi", {"chunk_size": 0})
     assert str(ei.value) == "scheduler 'sarathi': chunk_size must be > 0 (got 0)"
     assert (ei.value.scheduler, ei.value.field, ei.value.value) == ("sarathi", "chunk_size", 0)
 
@@ -101,7 +101,7 @@ def test_error_names_policy_param_and_value() -> None:
 )
 def test_bad_parameter_values(params: dict[str, object], match: str) -> None:
     with pytest.raises(SpecError, match=match):
-        bearsdk.policy("vllm-v1", params)
+        bearsdk.bind_scheduler("vllm-v1", params)
 
 
 @pytest.mark.parametrize(
@@ -168,20 +168,20 @@ def test_register_from_file_replays_compiled(tmp_path: Path) -> None:
         assert "my-engine" in scheduler_names()
         with pytest.raises(SpecError, match="already registered"):
             register_scheduler(f)
-        pol = bearsdk.policy("my-engine", {"num_gpu_blocks": 64, "async_scheduling": False})
+        pol = bearsdk.bind_scheduler("my-engine", {"num_gpu_blocks": 64, "async_scheduling": False})
         assert pol.requeue == "back"
-        assert compile_policy(pol).implementation == bearsdk.IMPLEMENTATION
+        assert compile_scheduler(pol).implementation == IMPLEMENTATION
         if "cython" in implementations():
             # a runtime-registered spec runs on the compiled loop like a built-in
-            assert compile_policy(pol, "cython").implementation == "cython"
+            assert compile_scheduler(pol, "cython").implementation == "cython"
         # Memory-tight: the new request's prompt waits for a completion.
         table = np.array(
             [[0, 300, 320, 21, 60, 60, 0], [0, 300, 330, 31, 40, 40, 0], [1, 200, 0, 0, 20, 20, 0]],
             dtype=np.int64,
         )
         results = {
-            impl: compile_policy(pol, impl).replay(
-                compile_policy(pol, impl).prepare(table), 150, 10, record=True
+            impl: compile_scheduler(pol, impl).replay(
+                compile_scheduler(pol, impl).prepare(table), 150, 10, record=True
             )
             for impl in implementations()
         }
@@ -210,8 +210,8 @@ def test_load_spec_reports_bad_toml(tmp_path: Path) -> None:
 
 
 def test_policies_are_hashable_and_cached() -> None:
-    a = bearsdk.policy("vllm-v1", {"max_num_seqs": 8})
-    b = bearsdk.policy("vllm-v1", {"max_num_seqs": 8})
+    a = bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 8})
+    b = bearsdk.bind_scheduler("vllm-v1", {"max_num_seqs": 8})
     assert a == b
     assert hash(a) == hash(b)
-    assert compile_policy(a) is compile_policy(b)
+    assert compile_scheduler(a) is compile_scheduler(b)

@@ -9,17 +9,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bearsdk import BatchTimeModel, BEAEstimator, SchedulerCore, policy, snapshot_from_dict
+from bearsdk import BEAEstimator, bind_scheduler
+from bearsdk.estimators import BatchTimeModel
 from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
 from bearsdk.estimators.lps import LPSEstimator
-from bearsdk.snapshot import STATE_RUNNING, STATE_WAITING
+from bearsdk.replay import SchedulerCore
+from bearsdk.snapshot import STATE_RUNNING, STATE_WAITING, snapshot_from_dict
 from bearsdk.state import (
     Dispatch,
     DispatchOverlay,
     FastForward,
     InstanceState,
     SnapshotCache,
-    StalenessPolicy,
+    StalenessRules,
 )
 
 BT = BatchTimeModel(4e-3, 2.2e-5, 5e-8, 1.2e-10)
@@ -40,7 +42,7 @@ def estimator(**over: Any) -> BEAEstimator:
 
 def running_engine(seed: int = 0, n: int = 40, steps: int = 30) -> tuple[SchedulerCore, float]:
     """A vllm-v1 core with ``n`` requests, run ``steps`` batches in virtual time."""
-    core = SchedulerCore(policy("vllm-v1", PARAMS))
+    core = SchedulerCore(bind_scheduler("vllm-v1", PARAMS))
     core.b0, core.b1, core.b2, core.b3 = BT.coeffs
     rng = random.Random(seed)
     for i in range(n):
@@ -225,7 +227,7 @@ def make_state(
     clock: Clock, *, fallback: LatencyEstimator | None = None, **pol: Any
 ) -> InstanceState:
     cache = SnapshotCache("x", clock=clock, max_transit_s=math.inf)
-    kw: dict[str, Any] = {"policy": StalenessPolicy(**pol)}
+    kw: dict[str, Any] = {"rules": StalenessRules(**pol)}
     if fallback is not None:
         kw["fallback"] = fallback
     return InstanceState(cache, estimator(), **kw)
@@ -263,10 +265,10 @@ def test_back_to_back_decisions_see_each_other() -> None:
     assert len(st.overlay) == 0
 
 
-def test_paper_policy_ignores_dispatches() -> None:
+def test_paper_rules_ignore_dispatches() -> None:
     clock = Clock(100.0)
     st = make_state(clock)
-    st = InstanceState(st.cache, st.estimator, policy=StalenessPolicy.paper())
+    st = InstanceState(st.cache, st.estimator, rules=StalenessRules.paper())
     st.cache.offer(snap_with(["r0"]))
     a = st.ttft(800, 10)
     st.on_dispatch("q1", 5000)
@@ -371,11 +373,11 @@ def test_no_fallback_means_no_estimate_without_snapshot() -> None:
     assert math.isinf(e.ttft_s)
 
 
-def test_policy_validation() -> None:
+def test_staleness_rules_validation() -> None:
     with pytest.raises(ValueError, match="fallback_after_s must be a number >= 0"):
-        StalenessPolicy(fallback_after_s=-1)
+        StalenessRules(fallback_after_s=-1)
     with pytest.raises(ValueError, match="fast_forward_after_s"):
-        StalenessPolicy(fast_forward_after_s=math.nan)
+        StalenessRules(fast_forward_after_s=math.nan)
     other = estimator()
     with pytest.raises(ValueError, match=r"cache\.estimator must be"):
         InstanceState(SnapshotCache("x", estimator=other), estimator())

@@ -10,7 +10,7 @@ import attrs
 
 import bearsdk
 from bearsdk.replay import ReplayResult
-from bearsdk.schedulers import compile_policy
+from bearsdk.schedulers import compile_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
 NEW_ID = "<new>"
@@ -28,10 +28,10 @@ def case_params(case: Mapping[str, Any]) -> dict[str, Any]:
 def replay_case(case: Mapping[str, Any], impl: str) -> ReplayResult:
     snap = snapshot_from_dict(case["snapshot"])
     assert snap.kv is not None
-    pol = bearsdk.policy("vllm-v1", case_params(case)).with_kv(
+    pol = bearsdk.bind_scheduler("vllm-v1", case_params(case)).with_kv(
         snap.kv.block_size, snap.kv.num_blocks
     )
-    rp = compile_policy(pol, impl)
+    rp = compile_scheduler(pol, impl)
     prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids)
     new = case["new"]
     return rp.replay(
