@@ -15,7 +15,8 @@ import sys
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
-from bearsdk import EnginePool, GroundTruthParams, InstanceConfig, load_pool_config
+from bearsdk import InstanceConfig, load_pool_config
+from bearsdk.emulator import EnginePool, GroundTruthParams
 from bearsdk.errors import BearError
 
 PROFILES = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100")

@@ -26,14 +26,9 @@ import anyio
 import attrs
 from _pool import add_pool_args, fail, pool_for
 
-from bearsdk import (
-    AsyncRouter,
-    RunSummary,
-    drive_workload,
-    make_selector,
-    summarize,
-)
+from bearsdk import AsyncRouter, make_selector
 from bearsdk.errors import BearError
+from bearsdk.evaluation import RunSummary, drive_workload, summarize
 from bearsdk.workload import WorkItem, read_trace, requests_at, task_prompts
 
 _CONTEXT = [

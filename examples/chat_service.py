@@ -54,12 +54,11 @@ from bearsdk import (  # noqa: E402
     AsyncRouter,
     BearError,
     ChatStream,
-    DecisionLog,
     DispatchError,
     EngineRequestError,
     NoInstanceError,
-    PrometheusMetrics,
 )
+from bearsdk.router import DecisionLog, PrometheusMetrics  # noqa: E402
 
 ROUTER: web.AppKey[AsyncRouter] = web.AppKey("router", AsyncRouter)
 REGISTRY: web.AppKey[Any] = web.AppKey("registry", object)
