@@ -122,7 +122,12 @@ class _Pending:
 
 
 def _model_prices(router: AsyncRouter) -> dict[str, tuple[float, float]]:
-    return {m.name: (m.input_price, m.output_price) for m in router.predictor.pool}
+    from bearsdk.predictors import Predictor
+
+    pred = router.predictor
+    # A table-driven predictor has no price list: its costs were given with it.
+    pool = pred.pool if isinstance(pred, Predictor) else ()
+    return {m.name: (m.input_price, m.output_price) for m in pool}
 
 
 async def drive_workload(

@@ -328,20 +328,23 @@ def _parser(limit: int = 1 << 20) -> Any:
         def release(self) -> None: ...
         def close(self) -> None: ...
 
-    class _Router:
-        max_event_bytes = limit
-        idle_timeout_s = 1.0
+    class _Core:
         finished: ClassVar[list[str]] = []
 
         def clock(self) -> float:
             return 0.0
 
-        def _first_token(self, *a: object) -> None: ...
+        def first_token(self, *a: object) -> None: ...
 
-        def _complete(self, inst: object, d: object, outcome: str, *a: object) -> None:
+        def completed(self, inst: object, d: object, outcome: str, *a: object) -> None:
             self.finished.append(outcome)
 
-        def _failed(self, *a: object, **k: object) -> None: ...
+    class _Dispatcher:
+        max_event_bytes = limit
+        idle_timeout_s = 1.0
+        core = _Core()
+
+        def failed(self, *a: object, **k: object) -> None: ...
 
     class _Breaker:
         def __getattr__(self, name: str) -> Callable[..., None]:
@@ -354,7 +357,7 @@ def _parser(limit: int = 1 << 20) -> Any:
     class _Decision:
         request_id = "r"
 
-    return ChatStream(_Router(), _Inst(), _Decision(), _Resp(), 0.0, True)  # type: ignore[arg-type]
+    return ChatStream(_Dispatcher(), _Inst(), _Decision(), _Resp(), 0.0, True)  # type: ignore[arg-type]
 
 
 SSE = (

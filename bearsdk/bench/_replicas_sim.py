@@ -5,7 +5,7 @@ without real time, so that the comparison is exact and repeatable (the
 emulator's figures move by several hundredths between runs on a busy machine).
 Engines are :class:`bearsdk.sim.SimEngine` instances (the instance's scheduler
 spec and the emulator's ground-truth batch times in virtual time); the routers
-are :class:`~bearsdk.router.AsyncRouter` instances on a virtual clock, fed
+are :class:`~bearsdk.router.core.RouterCore` instances on a virtual clock, fed
 through their offline interface (``decide``, ``record_dispatch``,
 ``record_first_token``, ``record_complete``):
 
@@ -161,7 +161,8 @@ def simulate(
     from bearsdk.cluster import PowerOfD, SharedOverlay
     from bearsdk.emulator import GroundTruthParams
     from bearsdk.emulator.timing import GroundTruthTimeModel
-    from bearsdk.router import AsyncRouter, InstanceConfig
+    from bearsdk.router import InstanceConfig
+    from bearsdk.router.core import RouterCore
     from bearsdk.schedulers import get_scheduler
     from bearsdk.selectors import BEAR, Selector
     from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
@@ -232,15 +233,13 @@ def simulate(
         lambda: clock[0],
         thirds if mode == "kill" else None,
     )
-    routers: list[AsyncRouter] = []
+    routers: list[RouterCore] = []
     overlays: list[SharedOverlay] = []
     for r in range(n_routers):
         policy: Selector = BEAR(lam=lam)
         if pod:
             policy = PowerOfD(policy, seed=seed * 1000 + r)
-        router = AsyncRouter(
-            configs, policy, predictor=predictor, clock=lambda: clock[0], calibrate=False
-        )
+        router = RouterCore(configs, policy, predictor=predictor, clock=lambda: clock[0])
         routers.append(router)
         if shared:
             overlays.append(SharedOverlay(bus, replica=f"r{r}").attach(router))

@@ -228,8 +228,12 @@ async def _replica(
     pod = mode in ("shared", "independent-pod", "kill")
     router = AsyncRouter(configs, _policy(job.lam, pod), cluster=cluster)
     tok = Tokenizer().counting()
+    from bearsdk.predictors import Predictor
+
+    covered = router.predictor
+    assert isinstance(covered, Predictor)  # the default one, extended with priors
     for c in configs:
-        router.predictor.set_tokenizer(c.model, tok)
+        covered.set_tokenizer(c.model, tok)
     async with router:
         conn.send("ready")
         start_at = await anyio.to_thread.run_sync(conn.recv)

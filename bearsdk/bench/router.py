@@ -1,6 +1,6 @@
 """``bearsdk bench router``: what routing costs.
 
-1. **Decision latency**: one :meth:`AsyncRouter.decide` call (predictors for the
+1. **Decision latency**: one :meth:`RouterCore.decide` call (predictors for the
    prompt, one BEA estimate per instance from its cached snapshot, the policy,
    the decision record) with 3 and 8 instances whose snapshots hold 64 resident
    requests each. Target: median ≤ 100 µs for 8 instances.
@@ -31,6 +31,7 @@ from bearsdk.cli import positive_float, positive_int
 from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
 from bearsdk.router import AsyncRouter, InstanceConfig
+from bearsdk.router.core import RouterCore
 from bearsdk.selectors import BEAR
 from bearsdk.snapshot import KVState, RequestState, Snapshot
 
@@ -81,9 +82,8 @@ def decision_latency(n: int, rounds: int) -> dict[str, Any]:
     # A frozen clock keeps every snapshot fresh, as a live push source would:
     # this measures the steady state, not fast-forwarding of aging snapshots.
     t0 = time.time()
-    router = AsyncRouter(
-        _configs(n), BEAR(), predictor=Predictor.load_default(), calibrate=False, clock=lambda: t0
-    )
+    pred = Predictor.load_default()
+    router = RouterCore(_configs(n), BEAR(), predictor=pred, clock=lambda: t0)
     for k, name in enumerate(router.instances):
         router.cache(name).offer(_snapshot(name, k, t0))
     msgs = [{"role": "user", "content": PROMPT}]
@@ -91,7 +91,6 @@ def decision_latency(n: int, rounds: int) -> dict[str, Any]:
     modes = sorted({c.estimator for c in d.candidates})
     t = time_call(lambda: router.decide(msgs, ttft_target=0.5), batch=20, rounds=rounds, warmup=5)
     # The predictors alone, for the breakdown.
-    pred = router.predictor
     tp = time_call(lambda: pred.predict(PROMPT, quantiles=False), batch=20, rounds=rounds, warmup=5)
     return {
         "instances": n,

@@ -233,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     twins = ", ".join(f"{pair}: {impl}" for pair, impl in _twins.loaded().items())
     parser.add_argument("--version", action="version", version=f"bearsdk {__version__} ({twins})")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (repeatable): it registers its own schedulers, snapshot "
+        "sources, estimators or selectors, which configs may then name",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
@@ -278,6 +286,28 @@ def _quiet_stdout() -> None:
         pass
 
 
+PLUGINS_ENV = "BEARSDK_PLUGINS"
+"""Plugin modules the command line loaded, comma-separated: worker processes a
+command spawns load them too."""
+
+
+def load_plugins(modules: Sequence[str]) -> None:
+    """Import each plugin module (it registers what it brings), and remember them
+    for worker processes (:data:`PLUGINS_ENV`).
+
+    Raises:
+        BearError: A module cannot be imported (one line naming it).
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any failure of a user's module is one line
+            raise BearError(f"--plugin {name!r}: cannot import it ({error_line(exc)})") from None
+    if modules:
+        known = [m for m in os.environ.get(PLUGINS_ENV, "").split(",") if m]
+        os.environ[PLUGINS_ENV] = ",".join(dict.fromkeys([*known, *modules]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status.
 
@@ -300,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra:
             # Said by the command's own parser: `bearsdk replay: error: ...`.
             _leaf(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        load_plugins(args.plugin)
         status: int = args.func(args)
     except KeyboardInterrupt as exc:
         # No second Ctrl-C traceback while the interpreter shuts down.

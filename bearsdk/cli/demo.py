@@ -222,9 +222,13 @@ async def _run_async(job: _Job) -> RunSummary:
 
         policy = make_selector(job.policy, lam=job.lam)
         router = AsyncRouter(configs, policy, predictor=predictor)
+        from bearsdk.predictors import Predictor
+
+        covered = router.predictor
+        assert isinstance(covered, Predictor)  # the one given, extended with priors
         for e in pool:
             # Each model's own tokenizer, as a deployment loads its tokenizer.json.
-            router.predictor.set_tokenizer(e.model_name, e.tokenizer.counting())
+            covered.set_tokenizer(e.model_name, e.tokenizer.counting())
         async with router:
             await anyio.sleep(_WARMUP_S)
             results, lag = await drive_workload(router, items, tail_s=_TAIL_S, lookup=lookup)

@@ -27,6 +27,7 @@ import attrs
 
 from bearsdk.cluster.wire import DispatchEvent
 from bearsdk.errors import BearError
+from bearsdk.router.core import RouterCore
 from bearsdk.router.decision import Decision
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class SharedOverlay:
     bus: DispatchBus
     replica: str = attrs.field(factory=lambda: secrets.token_hex(4), validator=_replica_id)
     max_age_s: float = attrs.field(default=5.0, validator=_positive)
-    _router: AsyncRouter | None = attrs.field(init=False, default=None)
+    _router: RouterCore | None = attrs.field(init=False, default=None)
     _unsubscribe: Callable[[], None] | None = attrs.field(init=False, default=None)
     _published: int = attrs.field(init=False, default=0)
     _applied: int = attrs.field(init=False, default=0)
@@ -125,7 +126,7 @@ class SharedOverlay:
 
     # ------------------------------------------------------------------ wiring
 
-    def attach(self, router: AsyncRouter) -> SharedOverlay:
+    def attach(self, router: RouterCore | AsyncRouter) -> SharedOverlay:
         """Publish ``router``'s dispatches and add the other replicas' to its view.
 
         Raises:
@@ -133,8 +134,9 @@ class SharedOverlay:
         """
         if self._router is not None:
             raise BearError(f"shared overlay of replica {self.replica!r}: already attached")
-        self._router = router
-        h = router.hooks
+        core = router if isinstance(router, RouterCore) else router.core
+        self._router = core
+        h = core.hooks
         h.on_dispatch.append(self._on_dispatch)
         h.on_first_token.append(self._on_first_token)
         h.on_complete.append(self._on_complete)

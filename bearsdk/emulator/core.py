@@ -35,7 +35,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from bearsdk.emulator._lifecycle import Runs
+from bearsdk._lifecycle import Runs
 from bearsdk.emulator.config import EngineConfig, bind_config, config_check
 from bearsdk.emulator.faults import Faults
 from bearsdk.emulator.hubs import BatchHub, DelayLine, PublishedSnapshot, SnapshotHub, batch_record

@@ -9,7 +9,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from bearsdk.emulator._lifecycle import Runs
+from bearsdk._lifecycle import Runs
 from bearsdk.emulator.engine import EmulatedEngine, EngineConfig
 
 if TYPE_CHECKING:

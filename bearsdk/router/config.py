@@ -38,16 +38,19 @@ import attrs
 
 from bearsdk.errors import BearError
 from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.router.sources import SourceError, get_snapshot_source
 
 if TYPE_CHECKING:
-    from bearsdk.predictors import Predictor
+    from bearsdk.predictors.protocol import PoolPredictor
 
 __all__ = ["SNAPSHOT_MODES", "ConfigError", "InstanceConfig", "cover_models", "load_pool_config"]
 
 _log = logging.getLogger("bearsdk.router")
 
 SNAPSHOT_MODES: Final = ("push", "poll", "shm", "metrics", "redis")
-"""How the router learns an instance's state: the push stream, polling
+"""The built-in snapshot source kinds (any kind registered with
+:func:`~bearsdk.router.sources.register_snapshot_source` is accepted too).
+How the router learns an instance's state: the push stream, polling
 ``/bear/snapshot``, a shared-memory segment, (unmodified vLLM) a shadow view
 reconciled with ``/metrics``, or the Redis bus router replicas share (needs
 ``AsyncRouter(..., cluster=...)``; the push stream stands in while Redis is
@@ -64,8 +67,11 @@ def _url(inst: object, att: attrs.Attribute[str], value: str) -> None:
 
 
 def _mode(inst: object, att: attrs.Attribute[str], value: str) -> None:
-    if value not in SNAPSHOT_MODES:
-        raise ConfigError(f"snapshots must be one of {', '.join(SNAPSHOT_MODES)} (got {value!r})")
+    # Any registered kind (bearsdk.router.sources), the built-ins and users' own.
+    try:
+        get_snapshot_source(value)
+    except SourceError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -105,7 +111,8 @@ class InstanceConfig:
         scheduler_params: Policy parameters, named as the engine's flags.
         profile: Batch-time profile name (``bearsdk calibrate --list-profiles``).
         batch_time: Explicit eq. 12 coefficients, overriding ``profile``.
-        snapshots: One of :data:`SNAPSHOT_MODES`.
+        snapshots: A registered snapshot source kind (:data:`SNAPSHOT_MODES` are
+            the built-ins).
         poll_interval_s: Interval of polling sources (``poll``, ``metrics``).
         shm_name: Shared-memory segment name (``shm``); default ``bear.<name>``.
         timeout_s: Per-request timeout for dispatch (connect to last byte).
@@ -217,7 +224,7 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
 _WARNED: set[str] = set()
 
 
-def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Predictor:
+def cover_models(predictor: PoolPredictor, configs: Sequence[InstanceConfig]) -> PoolPredictor:
     """Return ``predictor``, extended with a prior for each model of ``configs`` it lacks.
 
     Logs a WARNING (once per model and process) naming the model and how to
@@ -266,7 +273,8 @@ def cover_models(predictor: Predictor, configs: Sequence[InstanceConfig]) -> Pre
                 ", ".join(trained),
                 prior,
             )
-    return predictor.with_priors(priors)
+    covered: PoolPredictor = predictor.with_priors(priors)
+    return covered
 
 
 def load_pool_config(source: str | Path | Mapping[str, Any]) -> list[InstanceConfig]:

@@ -2,7 +2,7 @@
 
 A run routes every request of a :class:`RequestSet` (arriving at the run's
 times) with one policy. Router policies go through the real router,
-:class:`~bearsdk.router.AsyncRouter` on a virtual clock, driven without HTTP:
+:class:`~bearsdk.router.core.RouterCore` (the router without its I/O) on a virtual clock:
 
 * before each decision the engines run up to the arrival; what the clients
   observed by then (first tokens, completions) is reported to the router in
@@ -27,15 +27,17 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from bearsdk.emulator import GroundTruthParams
-from bearsdk.predictors import PoolPrediction, Predictor
-from bearsdk.router import AsyncRouter, InstanceConfig
+from bearsdk.predictors import PoolPrediction
+from bearsdk.predictors.protocol import StagedPredictor
+from bearsdk.router import InstanceConfig
+from bearsdk.router.core import RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.schedulers import Policy
 from bearsdk.selectors import make_selector
@@ -310,28 +312,6 @@ def arrival_times(
     raise ValueError(f"arrivals must be poisson, mmpp2:RATIO or trace (got {kind!r})")
 
 
-class _PredictionFeed:
-    """Stands in for the router's :class:`~bearsdk.predictors.Predictor`: returns the
-    prediction staged for the request being routed (computed once, shared by every
-    policy). Usage reports teach it nothing: the token counts are the true ones."""
-
-    def __init__(self, models: tuple[str, ...]) -> None:
-        self.models = models
-        self._next: PoolPrediction | None = None
-
-    def stage(self, prediction: PoolPrediction) -> None:
-        self._next = prediction
-
-    def predict(self, prompt: str, **options: object) -> PoolPrediction:
-        # Options (token counts, quantile heads) were settled when the
-        # predictions were computed.
-        assert self._next is not None, "no prediction staged"
-        return self._next
-
-    def observe_usage(self, model: str, prompt: str, prompt_tokens: int) -> None:
-        return None
-
-
 def _instance_config(spec: InstanceSpec, policy_params: dict[str, Any]) -> InstanceConfig:
     from bearsdk.estimators.batch_time import BatchTimeModel
 
@@ -448,19 +428,21 @@ def run_scenario(
 
     oracle = scenario.policy.name in (ORACLE, ORACLE_LATENCY)
     diag = _Diagnosis(names) if diagnose and not oracle else None
-    router: AsyncRouter | None = None
+    router: RouterCore | None = None
     clock = [0.0]
-    feed = _PredictionFeed(requests.models)
+    # Predictions were computed once for every policy: the core reads them from a table.
+    feed = StagedPredictor(requests.models)
     if not oracle:
         configs = [_instance_config(s, router_params[j]) for j, s in enumerate(instances)]
-        router = AsyncRouter(
+        router = RouterCore(
             configs,
-            policy=_selector(scenario),
-            predictor=cast(Predictor, feed),
+            _selector(scenario),
+            predictor=feed,
             staleness=scenario.router_staleness,
             clock=lambda: clock[0],
-            calibrate=False,
-            resident_lengths=cast(Any, scenario.resident_lengths),
+            resident_lengths="calibrated"
+            if scenario.resident_lengths == "calibrated"
+            else "predicted",
         )
         delay = scenario.staleness_s
         for e in engines:

@@ -10,6 +10,7 @@ and ``delta``, a sweep's name) are run once.
 
 from __future__ import annotations
 
+import importlib
 import math
 import multiprocessing
 import os
@@ -247,8 +248,11 @@ def _init_worker(shared: dict[str, Any], quiet_sigint: bool = False) -> None:
     _SHARED.update(shared)
     from bearsdk.schedulers import register_scheduler, scheduler_names
 
-    # Specs registered from files in the parent: a forked worker has them already, a
+    # Plugins and specs registered in the parent: a forked worker has them already, a
     # spawned one gets them here.
+    plugins = [m for m in os.environ.get("BEARSDK_PLUGINS", "").split(",") if m]
+    for module in plugins:
+        importlib.import_module(module)
     for spec in shared.get("schedulers", ()):
         if spec.name not in scheduler_names():
             register_scheduler(spec)

@@ -1,8 +1,9 @@
 """``async with`` for an object whose ``run`` serves until cancelled.
 
-:class:`~bearsdk.emulator.core.EngineCore`, :class:`~bearsdk.emulator.EmulatedEngine`
-and :class:`~bearsdk.emulator.EnginePool` each have a ``run(*, task_status)`` that
-signals readiness through its ``task_status`` and then serves until cancelled, for
+:class:`~bearsdk.router.AsyncRouter`, :class:`~bearsdk.emulator.core.EngineCore`,
+:class:`~bearsdk.emulator.EmulatedEngine` and :class:`~bearsdk.emulator.EnginePool`
+each have a ``run(*, task_status)`` that signals readiness through its
+``task_status`` and then serves until cancelled, for
 ``await tg.start(obj.run)`` in a caller's task group. :class:`Runs` makes the same
 object an async context manager: the block's own task group starts ``run`` and
 the block begins once it is ready; leaving the block cancels it.

@@ -1,0 +1,554 @@
+"""RouterCore: the synchronous, I/O-free heart of the router.
+
+It holds what the router knows of each instance (snapshot cache and state,
+statistics, breaker, the estimators its selector asks for), turns a request
+into a :class:`~bearsdk.router.Decision` (predictors, then one TTFT estimate per
+instance, then the selector), and learns from what happened to the requests it
+routed (dispatches, first tokens, completions). It does no I/O and starts no
+task, so a simulator, a benchmark or an application with its own HTTP client
+drives it directly::
+
+    core = RouterCore(pool, BEAR(lam=5e-4))
+    core.cache("a").offer(snapshot)
+    d = core.decide(prompt, ttft_target=0.4)
+    core.record_dispatch(d)
+    ...
+    core.record_first_token(d, d.instance, ttft_s)
+
+:class:`~bearsdk.router.AsyncRouter` is this core, plus the instance runtime
+(snapshot sources, calibration) and dispatch (HTTP, retries, streaming).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import statistics
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from bearsdk.errors import BearError
+from bearsdk.estimators.base import InstanceView
+from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.length import RememberedLengths
+from bearsdk.estimators.lps import LPSEstimator
+from bearsdk.estimators.prefill import nominal_theta_pre
+from bearsdk.estimators.registry import (
+    EstimatorContext,
+    EstimatorError,
+    InstanceEstimator,
+    build_estimator,
+    estimator_names,
+)
+from bearsdk.estimators.stats import InstanceStats
+from bearsdk.predictors.predictor import PoolPrediction
+from bearsdk.predictors.protocol import PoolPredictor
+from bearsdk.router.breaker import BreakerState, CircuitBreaker
+from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
+from bearsdk.router.decision import Candidate, Decision
+from bearsdk.router.errors import (
+    NoInstanceError,
+    RequestError,
+    check_max_tokens,
+    check_target,
+    prompt_text,
+    short,
+)
+from bearsdk.router.hooks import RouterHooks
+from bearsdk.router.sources import get_snapshot_source
+from bearsdk.router.targets import PaperTargets, TargetRule
+from bearsdk.schedulers import bind_scheduler
+from bearsdk.schedulers.spec import BoundScheduler
+from bearsdk.selectors import BEAR, Option, Selector
+from bearsdk.state import InstanceState, ShadowView, SnapshotCache, StalenessRules
+
+__all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
+
+_MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
+
+
+@attrs.define
+class InstanceSlot:
+    """Everything the router keeps for one instance of its pool."""
+
+    config: InstanceConfig
+    model_index: int
+    batch_time: BatchTimeModel
+    scheduler: BoundScheduler
+    cache: SnapshotCache
+    state: InstanceState
+    stats: InstanceStats
+    breaker: CircuitBreaker
+    shadow: ShadowView | None = None
+    draining: bool = False
+    inflight: int = 0
+    ttft_abs_err_sum: float = 0.0
+    ttft_rel_err_sum: float = 0.0
+    ttft_err_n: int = 0
+    # What the replay cannot see: the HTTP round trip to the engine, its request
+    # handling and token delivery. Learned from observed minus predicted TTFT.
+    overhead_s: float = 0.0
+    residuals: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
+    # One per estimator name a selector asked for, built on first use.
+    estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
+
+    @property
+    def name(self) -> str:
+        """The instance's name."""
+        return self.config.name
+
+
+class RouterCore:
+    """Chooses an instance per request and learns from the outcomes; no I/O.
+
+    Args:
+        pool: Instances (:class:`~bearsdk.router.InstanceConfig` values), or the
+            path of a TOML pool file.
+        selector: The selector (default :class:`~bearsdk.selectors.BEAR`).
+        predictor: Accuracy / length / cost predictor covering every instance's
+            model (default: the shipped Qwen3 placeholder); anything with
+            :class:`~bearsdk.predictors.protocol.PoolPredictor`'s members.
+        targets: Rule giving a TTFT target to requests that carry none
+            (default: the paper's appendix A.2 rule).
+        staleness: How instances handle old snapshots.
+        clock: Time source (seconds); wall time, as engines stamp snapshots.
+        hooks: Observability callbacks.
+        resident_lengths: How BEA sizes the requests resident on an engine
+            (see :class:`~bearsdk.router.AsyncRouter`).
+        breaker: Circuit-breaker settings, copied for each instance.
+
+    Raises:
+        ConfigError: An invalid pool, or a selector whose latency estimator is
+            not registered.
+    """
+
+    def __init__(
+        self,
+        pool: Sequence[InstanceConfig] | str | Path,
+        selector: Selector | None = None,
+        *,
+        predictor: PoolPredictor | None = None,
+        targets: TargetRule | None = None,
+        staleness: StalenessRules | None = None,
+        clock: Callable[[], float] = time.time,
+        hooks: RouterHooks | None = None,
+        resident_lengths: Literal["predicted", "calibrated"] = "predicted",
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
+        if not configs:
+            raise ConfigError("pool: needs at least one instance")
+        if resident_lengths not in ("predicted", "calibrated"):
+            raise ConfigError(
+                f"resident_lengths must be 'predicted' or 'calibrated' (got {resident_lengths!r})"
+            )
+        self.resident_lengths = resident_lengths
+        self.selector: Selector = selector if selector is not None else BEAR()
+        if self.selector.latency not in estimator_names():
+            raise ConfigError(
+                f"selector {self.selector.name!r}: latency estimator {self.selector.latency!r} "
+                f"is not registered (known: {', '.join(estimator_names())})"
+            )
+        if predictor is None:
+            from bearsdk.predictors import Predictor
+
+            predictor = Predictor.load_default()
+        self.predictor: PoolPredictor = predictor
+        self.targets: TargetRule = targets if targets is not None else PaperTargets()
+        self.staleness = staleness if staleness is not None else StalenessRules()
+        self.clock = clock
+        self.hooks = hooks if hooks is not None else RouterHooks()
+        self._breaker = breaker if breaker is not None else CircuitBreaker()
+        self._slots: dict[str, InstanceSlot] = {}
+        self._lengths: dict[str, RememberedLengths] = {}
+        self._models = list(self.predictor.models)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        for cfg in configs:
+            self.add(cfg)
+
+    # ------------------------------------------------------------------ pool
+
+    def add(self, cfg: InstanceConfig) -> InstanceSlot:
+        """Add an instance to the pool (its snapshots are fed by whoever runs it).
+
+        Raises:
+            ConfigError: Duplicate name, or a model the predictor cannot cover.
+        """
+        if cfg.name in self._slots:
+            raise ConfigError(f"instance {cfg.name!r}: duplicate name")
+        kind = get_snapshot_source(cfg.snapshots)
+        # A model the predictor was not trained on routes with the predictor's prior.
+        self.predictor = cover_models(self.predictor, [cfg])
+        self._models = list(self.predictor.models)
+        try:
+            idx = self._models.index(cfg.model)
+        except ValueError:
+            raise ConfigError(
+                f"instance {cfg.name!r}: model {cfg.model!r} is not in the predictor's pool "
+                f"({', '.join(self._models)})"
+            ) from None
+        bt = cfg.batch_time_model()
+        lengths = self._lengths.setdefault(
+            cfg.model, RememberedLengths(calibrate=self.resident_lengths == "calibrated")
+        )
+        sched = bind_scheduler(cfg.scheduler, cfg.params)
+        est = BEAEstimator(sched, bt, lengths)
+        cache = SnapshotCache(cfg.name, est, expect_instance=None, clock=self.clock)
+        # The fallback knows the instance: its prefill rate and its sequence cap
+        # (LPS's defaults are off by orders of magnitude for a real engine).
+        lps = LPSEstimator(theta_pre=nominal_theta_pre(bt), concurrency=sched.max_seqs)
+        state = InstanceState(cache, est, rules=self.staleness, name=cfg.name, fallback=lps)
+        slot = InstanceSlot(
+            config=cfg,
+            model_index=idx,
+            batch_time=bt,
+            scheduler=sched,
+            cache=cache,
+            state=state,
+            stats=InstanceStats(),
+            breaker=attrs.evolve(self._breaker),
+            # Engines without snapshots: the router's own events, reconciled by the source.
+            shadow=(
+                ShadowView(cfg.name, clock=self.clock, prefill_tokens_per_s=nominal_theta_pre(bt))
+                if kind.shadow
+                else None
+            ),
+        )
+        self._slots[cfg.name] = slot
+        return slot
+
+    def remove(self, name: str) -> InstanceSlot:
+        """Take ``name`` out of the pool; returns what the router kept for it."""
+        return self._slots.pop(self.slot(name).name)
+
+    def drain(self, name: str, draining: bool = True) -> None:
+        """Stop (or, with ``draining=False``, resume) routing new requests to ``name``."""
+        self.slot(name).draining = draining
+
+    @property
+    def instances(self) -> list[str]:
+        """Names of the instances in the pool (draining ones included)."""
+        return list(self._slots)
+
+    def slots(self) -> list[InstanceSlot]:
+        """What the router keeps per instance, in pool order."""
+        return list(self._slots.values())
+
+    def slot(self, name: str) -> InstanceSlot:
+        """What the router keeps for ``name``.
+
+        Raises:
+            BearError: ``name`` is not in the pool.
+        """
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise BearError(
+                f"instance {name!r} is not in the pool ({', '.join(self._slots)})"
+            ) from None
+
+    def cache(self, name: str) -> SnapshotCache:
+        """The snapshot cache of instance ``name`` (offer it snapshots)."""
+        return self.slot(name).cache
+
+    def state(self, name: str) -> InstanceState:
+        """The TTFT state of instance ``name``."""
+        return self.slot(name).state
+
+    def find(self, name: str) -> InstanceSlot | None:
+        """What the router keeps for ``name``, or ``None`` once it left the pool."""
+        return self._slots.get(name)
+
+    # ------------------------------------------------------------------ deciding
+
+    def next_id(self) -> str:
+        """A fresh request id."""
+        # Fixed width: no id is a prefix of another (engines embed it in their own,
+        # and the overlay matches a dispatch to a snapshot's id by containment).
+        return f"bear-{self._prefix}-{next(self._ids):010d}"
+
+    def decide(
+        self,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        ttft_target: float | None = None,
+        max_tokens: int | None = None,
+        request_id: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        """Choose an instance for a request (synchronous; no I/O).
+
+        Args:
+            prompt: A prompt, or chat messages.
+            ttft_target: The request's TTFT target in seconds, > 0 (default: the
+                target rule; ``math.inf``: no target, every instance is on time).
+            max_tokens: The request's output cap.
+            request_id: Id to record (default: a fresh one).
+            exclude: Instances not to consider.
+
+        Returns:
+            The decision, with every candidate's predictions.
+
+        Raises:
+            RequestError: ``ttft_target``, ``max_tokens`` or ``request_id`` is not
+                a valid value, or ``prompt`` is neither a string nor messages.
+            NoInstanceError: No instance can take the request.
+        """
+        t0 = time.perf_counter()
+        ttft_target = check_target(ttft_target)
+        max_tokens = check_max_tokens("max_tokens", max_tokens)
+        if request_id is not None and not (
+            isinstance(request_id, str) and 0 < len(request_id) <= 256
+        ):
+            raise RequestError(
+                f"request_id must be a string of 1 to 256 characters (got {short(request_id)})"
+            )
+        now = self.clock()
+        pred = self.predictor.predict(prompt_text(prompt), quantiles=False)
+        slots = [
+            s
+            for s in self._slots.values()
+            if not s.draining and s.name not in exclude and s.breaker.routable(now)
+        ]
+        if not slots:
+            raise NoInstanceError(
+                "no instance can take the request (all drained, removed or failing)"
+            )
+        prompt_tokens = int(pred.prompt_tokens[slots[0].model_index])
+        target = self.targets.target_for(prompt_tokens) if ttft_target is None else ttft_target
+        sel_ = self.selector
+        cands = self._candidates(slots, pred, max_tokens, now)
+        sel = sel_.select([c[0] for c in cands], target)
+        chosen = slots[sel.index]
+        candidates = tuple(
+            Candidate(
+                instance=o.instance,
+                model=o.model,
+                accuracy=o.accuracy,
+                cost=o.cost,
+                utility=o.utility,
+                ttft_s=o.ttft_s,
+                feasible=None if sel.feasible is None else sel.feasible[i],
+                score=sel.scores[i],
+                estimator=est,
+                snapshot_age_s=age,
+                queue=o.queue,
+                prompt_tokens=ptok,
+                output_tokens=out,
+            )
+            for i, (o, est, age, ptok, out) in enumerate(cands)
+        )
+        j = chosen.model_index
+        d = Decision(
+            request_id=request_id or self.next_id(),
+            policy=sel_.name,
+            instance=chosen.name,
+            candidates=candidates,
+            index=sel.index,
+            ttft_target_s=target,
+            reason=sel.reason,
+            prompt_tokens=int(pred.prompt_tokens[j]),
+            output_tokens=int(pred.output_tokens[j]),
+            decided_at=now,
+            decide_s=time.perf_counter() - t0,
+        )
+        for hook in self.hooks.on_decision:
+            hook(d)
+        return d
+
+    def _candidates(
+        self, slots: list[InstanceSlot], pred: PoolPrediction, max_tokens: int | None, now: float
+    ) -> list[tuple[Option, str, float, int, int]]:
+        lam = self.selector.lam
+        kind = self.selector.latency
+        out_rows: list[tuple[Option, str, float, int, int]] = []
+        # Plain lists: indexing numpy arrays element by element costs more.
+        accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
+        ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
+        for s in slots:
+            j = s.model_index
+            acc = accs[j]
+            out = int(outs[j])
+            if max_tokens is not None:
+                out = min(out, max_tokens)
+            ptok = max(1, int(ptoks[j]))
+            cost = costs[j] * _MICRO
+            est = s.estimators.get(kind)
+            if est is None:
+                est = self._estimator(s, kind)
+            lat = est.estimate(ptok, out, max_tokens, now)
+            ttft = lat.ttft_s + s.overhead_s if lat.replayed else lat.ttft_s
+            option = Option(
+                s.name, s.config.model, acc, cost, acc - lam * cost, ttft, s.inflight, s.inflight
+            )
+            out_rows.append((option, lat.estimator, lat.age_s, ptok, out))
+        return out_rows
+
+    def _estimator(self, s: InstanceSlot, kind: str) -> InstanceEstimator:
+        ctx = EstimatorContext(
+            name=s.name,
+            model=s.config.model,
+            batch_time=s.batch_time,
+            scheduler=s.scheduler,
+            state=s.state,
+            view=functools.partial(self.view, s.name),
+        )
+        try:
+            est = build_estimator(kind, ctx)
+        except EstimatorError as exc:
+            raise ConfigError(f"selector {self.selector.name!r}: {exc}") from None
+        s.estimators[kind] = est
+        return est
+
+    def view(self, name: str, now: float) -> InstanceView:
+        """The router's statistics of ``name`` at ``now``, with its latest snapshot."""
+        s = self.slot(name)
+        entry = s.cache.entry
+        return s.stats.view(
+            now,
+            snapshot=None if entry is None else entry.snapshot,
+            snapshot_time=None if entry is None else entry.captured,
+            name=s.name,
+        )
+
+    # ------------------------------------------------------------------ feedback
+
+    def sent(self, s: InstanceSlot, d: Decision, now: float) -> None:
+        """A request following ``d`` was sent to ``s`` at ``now``."""
+        c = next(c for c in d.candidates if c.instance == s.name)
+        s.inflight += 1
+        s.state.on_dispatch(d.request_id, c.prompt_tokens, c.output_tokens, now=now)
+        if s.shadow is not None:
+            s.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
+        s.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
+        for hook in self.hooks.on_dispatch:
+            hook(d, s.name, now)
+
+    def unsent(self, s: InstanceSlot, d: Decision) -> None:
+        """A sent request never reached the engine (or was refused): off the books."""
+        s.inflight -= 1
+        now = self.clock()
+        s.state.on_complete(d.request_id, now=now)
+        s.stats.on_abort(d.request_id, now)
+        if s.shadow is not None:
+            s.shadow.on_complete(d.request_id)
+
+    def first_token(self, s: InstanceSlot, d: Decision, observed: float) -> None:
+        """The first token of a request at ``s`` arrived ``observed`` seconds after sending."""
+        now = self.clock()
+        s.breaker.on_answer()
+        s.state.on_tokens(d.request_id, 1)
+        s.stats.on_first_token(d.request_id, now)
+        if s.shadow is not None:
+            s.shadow.on_tokens(d.request_id, 1)
+        if s.name == d.instance:
+            pred = d.chosen.ttft_s
+            if math.isfinite(pred) and observed > 0:
+                s.ttft_abs_err_sum += abs(pred - observed)
+                s.ttft_rel_err_sum += abs(pred - observed) / observed
+                s.ttft_err_n += 1
+                if d.chosen.estimator != "lps":
+                    # The median of recent residuals: a mean would be dragged up by
+                    # requests that reach the engine just after it formed the next
+                    # batch (a whole batch late) and overpredict everything else.
+                    s.residuals.append(observed - (pred - s.overhead_s))
+                    s.overhead_s = min(max(statistics.median(s.residuals), 0.0), 0.25)
+        for hook in self.hooks.on_first_token:
+            hook(d, s.name, observed)
+
+    def completed(
+        self,
+        s: InstanceSlot,
+        d: Decision,
+        outcome: str,
+        usage: Mapping[str, Any] | None,
+        prompt: str,
+    ) -> None:
+        """A request at ``s`` ended (``"ok"``, ``"error"`` or ``"cancelled"``)."""
+        now = self.clock()
+        s.inflight -= 1
+        out = None if not usage else usage.get("completion_tokens")
+        known = out if outcome == "ok" and isinstance(out, int) and out > 0 else None
+        s.state.on_complete(d.request_id, now=now, output_tokens=known)
+        if s.shadow is not None:
+            s.shadow.on_complete(d.request_id)
+        if usage:
+            ptok = usage.get("prompt_tokens")
+            if isinstance(ptok, int) and ptok > 0 and prompt:
+                # The engine's count teaches the predictor this model's tokens per char.
+                self.predictor.observe_usage(s.config.model, prompt, ptok)
+        if outcome == "ok":
+            s.stats.on_complete(
+                d.request_id, now, out if isinstance(out, int) and out > 0 else None
+            )
+        else:
+            s.stats.on_abort(d.request_id, now)
+        for hook in self.hooks.on_complete:
+            hook(d, s.name, outcome)
+
+    def record_dispatch(self, decision: Decision, instance: str | None = None) -> None:
+        """Tell the router a request was sent (when something else than the router
+        sends it: a simulator, or an application with its own HTTP client).
+
+        Args:
+            decision: The decision the request followed.
+            instance: Where it went (default: the decision's instance).
+        """
+        self.sent(self.slot(instance or decision.instance), decision, self.clock())
+
+    def record_first_token(self, decision: Decision, instance: str, ttft_s: float) -> None:
+        """Tell the router the request's first token arrived after ``ttft_s`` seconds."""
+        self.first_token(self.slot(instance), decision, ttft_s)
+
+    def record_complete(
+        self,
+        decision: Decision,
+        instance: str,
+        *,
+        outcome: str = "ok",
+        usage: Mapping[str, Any] | None = None,
+        prompt: str = "",
+    ) -> None:
+        """Tell the router the request ended (``"ok"``, ``"error"`` or ``"cancelled"``).
+
+        Args:
+            decision: Its decision.
+            instance: Where it ran.
+            outcome: How it ended.
+            usage: The engine's usage report, if any (teaches token counts).
+            prompt: Its prompt text (with ``usage``, teaches token counts).
+        """
+        if outcome not in ("ok", "error", "cancelled"):
+            raise BearError(f"outcome must be 'ok', 'error' or 'cancelled' (got {outcome!r})")
+        self.completed(self.slot(instance), decision, outcome, usage, prompt)
+
+    # ------------------------------------------------------------------ reading
+
+    def inflight(self, name: str) -> int:
+        """Requests sent to ``name`` whose response has not ended (all finished: 0)."""
+        return self.slot(name).inflight
+
+    def breaker_state(self, name: str) -> BreakerState:
+        """The state of ``name``'s circuit breaker now (closed, open or half-open)."""
+        return self.slot(name).breaker.state(self.clock())
+
+    def overhead(self, name: str) -> float:
+        """The learned dispatch overhead added to ``name``'s replayed TTFTs (seconds)."""
+        return self.slot(name).overhead_s
+
+    def ttft_error(self, name: str) -> tuple[float, float, int]:
+        """``(MAE seconds, MAPE, n)`` of the router's TTFT predictions at ``name`` so far."""
+        s = self.slot(name)
+        n = s.ttft_err_n
+        if n == 0:
+            return (math.nan, math.nan, 0)
+        return (s.ttft_abs_err_sum / n, s.ttft_rel_err_sum / n, n)

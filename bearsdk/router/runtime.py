@@ -1,0 +1,122 @@
+"""The instance runtime: each instance's snapshot source and batch calibration, as tasks.
+
+For every instance of a :class:`~bearsdk.router.core.RouterCore`'s pool the
+runtime runs the snapshot source its ``snapshots`` setting names (a registered
+kind, :mod:`bearsdk.router.sources`) and, with calibration on, follows the
+engine's ``/bear/batches`` stream to keep its batch-time coefficients current.
+Each instance's tasks live in one cancel scope inside the caller's task group,
+started with ``tg.start`` (ready after the source's first attempt), so
+removing an instance stops exactly its tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import aiohttp
+import anyio
+import anyio.abc
+import attrs
+
+from bearsdk.estimators.batch_time import BatchDataError, OnlineBatchTime, read_batches
+from bearsdk.router.core import InstanceSlot, RouterCore
+from bearsdk.router.sources import SourceContext, get_snapshot_source
+
+if TYPE_CHECKING:
+    from bearsdk.cluster import Cluster
+
+__all__ = ["InstanceRuntime"]
+
+log = logging.getLogger("bearsdk.router")
+
+
+@attrs.define
+class InstanceRuntime:
+    """Runs the instances' sources and calibration for a core.
+
+    Args:
+        core: The core whose caches the sources feed.
+        calibrate: Follow each engine's batch records (online eq. 12 calibration).
+        cluster: The router's cluster, for sources that need one.
+    """
+
+    core: RouterCore
+    calibrate: bool = True
+    cluster: Cluster | None = None
+    session: aiohttp.ClientSession | None = None
+    _scopes: dict[str, anyio.CancelScope] = attrs.field(factory=dict)
+    _online: dict[str, OnlineBatchTime] = attrs.field(factory=dict)
+
+    async def run_instance(
+        self, slot: InstanceSlot, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Run ``slot``'s source (and calibration) until cancelled or stopped.
+
+        Ready after the source's first attempt.
+        """
+        assert self.session is not None
+        kind = get_snapshot_source(slot.config.snapshots)
+        source = kind.factory(
+            SourceContext(slot.config, self.session, cluster=self.cluster, shadow=slot.shadow)
+        )
+        with anyio.CancelScope() as scope:
+            self._scopes[slot.name] = scope
+            try:
+                if not self.calibrate:
+                    await source.run(slot.cache, task_status=task_status)
+                    return
+                online = self._online.setdefault(slot.name, OnlineBatchTime(slot.batch_time))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._follow_batches, slot, online)
+                    await source.run(slot.cache, task_status=task_status)
+            finally:
+                if self._scopes.get(slot.name) is scope:
+                    del self._scopes[slot.name]
+
+    def stop(self, name: str) -> None:
+        """Stop ``name``'s tasks (it left the pool)."""
+        scope = self._scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+
+    async def _follow_batches(self, slot: InstanceSlot, online: OnlineBatchTime) -> None:
+        """Online recalibration from the engine's batch records (``GET /bear/batches``)."""
+        assert self.session is not None
+        url = slot.config.bear_url + "/bear/batches"
+        failures = 0
+        while True:
+            try:
+                async with self.session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+                ) as resp:
+                    if resp.status == 404:
+                        log.info(
+                            "%s: no /bear/batches: keeping the profile's coefficients", slot.name
+                        )
+                        return
+                    resp.raise_for_status()
+                    failures = 0
+                    await self._consume_batches(slot, online, resp)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                failures += 1
+                log.debug("%s: batch stream: %s", slot.name, exc)
+            await anyio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
+
+    async def _consume_batches(
+        self, slot: InstanceSlot, online: OnlineBatchTime, resp: aiohttp.ClientResponse
+    ) -> None:
+        accepted = 0
+        async for line in resp.content:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                (obs,) = read_batches([line.decode("utf-8", "replace")])
+            except (BatchDataError, ValueError):
+                continue  # counted by the engine's format; never folded in
+            if online.observe_batch(obs):
+                accepted += 1
+                if accepted % 32 == 0:
+                    # Swapping the model swaps the coefficients the replay uses.
+                    slot.state.estimator.batch_time = online.model

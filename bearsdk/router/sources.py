@@ -1,0 +1,202 @@
+"""Snapshot sources by name: how the router learns an instance's state.
+
+An instance's ``snapshots`` setting names a registered source kind; when the
+router starts (or the instance is added at run time) it builds that kind's
+source from a :class:`SourceContext` and runs it in its task group, feeding the
+instance's :class:`~bearsdk.state.SnapshotCache`. The built-ins (``push``,
+``poll``, ``shm``, ``metrics``, ``redis``) are registered below exactly as a
+user registers their own::
+
+    class FileSource:  # any SnapshotSource: run(cache, *, task_status)
+        ...
+
+    register_snapshot_source("file", lambda ctx: FileSource(ctx.config.name))
+
+A source's contract (readiness after its first attempt, retries with backoff,
+nothing outside its own ``run``) is :class:`bearsdk.io.SnapshotSource`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+from bearsdk.errors import BearError
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from bearsdk.cluster import Cluster
+    from bearsdk.io import SnapshotSource
+    from bearsdk.router.config import InstanceConfig
+    from bearsdk.state import ShadowView
+
+__all__ = [
+    "SourceContext",
+    "SourceError",
+    "SourceFactory",
+    "SourceKind",
+    "get_snapshot_source",
+    "register_snapshot_source",
+    "snapshot_source_names",
+    "unregister_snapshot_source",
+]
+
+
+class SourceError(BearError, ValueError):
+    """A source kind that is not registered, or a registration that clashes."""
+
+
+@attrs.frozen(eq=False)
+class SourceContext:
+    """What a source factory builds one instance's source from.
+
+    Attributes:
+        config: The instance's configuration (URLs, intervals, names).
+        session: The router's HTTP session (reuse it: one connection pool).
+        cluster: The router's cluster, for kinds that need one.
+        shadow: The router's shadow view of the instance, for kinds that
+            declared ``shadow=True`` (engines that publish no snapshots).
+    """
+
+    config: InstanceConfig
+    session: aiohttp.ClientSession
+    cluster: Cluster | None = None
+    shadow: ShadowView | None = None
+
+
+SourceFactory = Callable[[SourceContext], "SnapshotSource"]
+"""Builds one instance's snapshot source."""
+
+
+@attrs.frozen
+class SourceKind:
+    """A registered source kind.
+
+    Attributes:
+        name: What an instance's ``snapshots`` setting says.
+        factory: Builds the source of one instance.
+        needs_cluster: Only with ``AsyncRouter(..., cluster=...)``.
+        shadow: The router keeps a shadow view of its own dispatches for the
+            instance (:class:`~bearsdk.state.ShadowView`), handed to the factory.
+    """
+
+    name: str
+    factory: SourceFactory
+    needs_cluster: bool = False
+    shadow: bool = False
+
+
+_REGISTRY: dict[str, SourceKind] = {}
+
+
+def register_snapshot_source(
+    name: str,
+    factory: SourceFactory,
+    *,
+    needs_cluster: bool = False,
+    shadow: bool = False,
+    replace: bool = False,
+) -> None:
+    """Register a snapshot source kind under ``name``.
+
+    Args:
+        name: What instances' ``snapshots`` setting will say.
+        factory: Builds one instance's source from its :class:`SourceContext`.
+        needs_cluster: The kind needs the router's cluster.
+        shadow: The router keeps a shadow view of the instance for the source.
+        replace: Replace a kind of that name (default: refuse).
+
+    Raises:
+        SourceError: ``name`` is empty or taken (and ``replace`` is false), or
+            ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise SourceError(f"snapshot source name must be a non-empty string (got {name!r})")
+    if not callable(factory):
+        raise SourceError(f"snapshot source {name!r}: factory must be callable (got {factory!r})")
+    if name in _REGISTRY and not replace:
+        raise SourceError(f"snapshot source {name!r} is already registered (pass replace=True)")
+    _REGISTRY[name] = SourceKind(name, factory, needs_cluster=needs_cluster, shadow=shadow)
+
+
+def unregister_snapshot_source(name: str) -> None:
+    """Remove a registered source kind (instances already running keep theirs).
+
+    Raises:
+        SourceError: ``name`` is not registered.
+    """
+    if _REGISTRY.pop(name, None) is None:
+        raise SourceError(_unknown(name))
+
+
+def snapshot_source_names() -> list[str]:
+    """The registered source kinds, in registration order."""
+    return list(_REGISTRY)
+
+
+def get_snapshot_source(name: str) -> SourceKind:
+    """The registered kind ``name``.
+
+    Raises:
+        SourceError: It is not registered.
+    """
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise SourceError(_unknown(name))
+    return kind
+
+
+def _unknown(name: object) -> str:
+    return f"snapshots must be one of {', '.join(_REGISTRY)} (got {name!r})"
+
+
+def _push(ctx: SourceContext) -> SnapshotSource:
+    from bearsdk.io import PushSource
+
+    return PushSource(ctx.config.bear_url, session=ctx.session, name=f"push:{ctx.config.name}")
+
+
+def _poll(ctx: SourceContext) -> SnapshotSource:
+    from bearsdk.io import PollSource
+
+    cfg = ctx.config
+    return PollSource(
+        cfg.bear_url, interval_s=cfg.poll_interval_s, session=ctx.session, name=f"poll:{cfg.name}"
+    )
+
+
+def _shm(ctx: SourceContext) -> SnapshotSource:
+    from bearsdk.io import ShmSource, segment_path
+
+    cfg = ctx.config
+    return ShmSource(cfg.shm_name or segment_path(cfg.name), name=f"shm:{cfg.name}")
+
+
+def _metrics(ctx: SourceContext) -> SnapshotSource:
+    from bearsdk.io import MetricsSource
+
+    cfg = ctx.config
+    assert ctx.shadow is not None  # the kind asks for one
+    return MetricsSource(
+        cfg.url,
+        ctx.shadow,
+        interval_s=max(cfg.poll_interval_s, 0.2),
+        session=ctx.session,
+        name=f"metrics:{cfg.name}",
+    )
+
+
+def _redis(ctx: SourceContext) -> SnapshotSource:
+    assert ctx.cluster is not None  # the kind needs one
+    # The engine's own push stream stands in while Redis is unusable.
+    return ctx.cluster.source(ctx.config.name, _push(ctx))
+
+
+register_snapshot_source("push", _push)
+register_snapshot_source("poll", _poll)
+register_snapshot_source("shm", _shm)
+register_snapshot_source("metrics", _metrics, shadow=True)
+register_snapshot_source("redis", _redis, needs_cluster=True)
