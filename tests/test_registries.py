@@ -220,7 +220,9 @@ def test_a_plugin_estimator_works_through_bearsdk_simulate(
     (tmp_path / "bear_plugin_demo.py").write_text(PLUGIN)
     (tmp_path / "sim.toml").write_text(SIM)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("BEARSDK_PLUGINS", raising=False)
+    # setenv, not delenv: load_plugins writes the variable, and only setenv restores
+    # (removes) it afterwards, so it cannot leak into later tests' subprocesses.
+    monkeypatch.setenv("BEARSDK_PLUGINS", "")
     try:
         argv = ["--plugin", "bear_plugin_demo", "simulate", "--config", str(tmp_path / "sim.toml")]
         rc = main([*argv, "--json", "--workers", "1"])

@@ -26,6 +26,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
 from bearsdk.sim.calibrate import Calibration, calibrate_pool
 from bearsdk.sim.config import BASELINES, SimConfig
@@ -252,7 +253,12 @@ def _init_worker(shared: dict[str, Any], quiet_sigint: bool = False) -> None:
     # spawned one gets them here.
     plugins = [m for m in os.environ.get("BEARSDK_PLUGINS", "").split(",") if m]
     for module in plugins:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a user's module: one line, not a traceback
+            raise BearError(
+                f"BEARSDK_PLUGINS: cannot import {module!r} ({type(exc).__name__}: {exc})"
+            ) from None
     for spec in shared.get("schedulers", ()):
         if spec.name not in scheduler_names():
             register_scheduler(spec)
