@@ -31,8 +31,7 @@ from bearsdk.schedulers.spec import (
 )
 
 if TYPE_CHECKING:
-    from bearsdk.replay.compile import compile_policy
-    from bearsdk.replay.compile import compile_policy as compile_scheduler
+    from bearsdk.replay.compile import compile_policy, compile_scheduler
 
 __all__ = [
     "BoundScheduler",

@@ -18,8 +18,7 @@ from bearsdk.schedulers.registry import get_scheduler
 from bearsdk.schedulers.spec import BoundScheduler
 
 if TYPE_CHECKING:
-    from bearsdk.replay.compile import compile_policy
-    from bearsdk.replay.compile import compile_policy as compile_scheduler
+    from bearsdk.replay.compile import compile_policy, compile_scheduler
 
 __all__ = ["bind_scheduler", "compile_policy", "compile_scheduler", "policy"]
 
@@ -44,10 +43,10 @@ def __getattr__(name: str) -> Any:
     if name not in ("compile_policy", "compile_scheduler"):
         raise AttributeError(f"module 'bearsdk.schedulers.compiler' has no attribute {name!r}")
     # The replay imports nothing of this package at runtime: no cycle.
-    value = importlib.import_module("bearsdk.replay.compile").compile_policy
+    value = getattr(importlib.import_module("bearsdk.replay.compile"), name)
     globals()[name] = value  # the next access is a plain attribute
     return value
 
 
-# The old name, kept as an alias (no warning: bearsdk's own code still calls it).
+# The old name, kept as an alias for one release.
 policy = bind_scheduler

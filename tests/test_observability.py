@@ -42,7 +42,7 @@ async def test_metrics_and_logs_follow_requests(caplog: pytest.LogCaptureFixture
     other = next(e.instance for e in pool if e.instance != first)
     # 1 route() + 3 chat() decisions, all for `first` (BEAR with a 5 s target: best utility)
     assert sum(
-        value("decisions_total", instance=first, policy="bear", estimator=e)
+        value("decisions_total", instance=first, selector="bear", estimator=e)
         for e in ("bea", "overlay", "fast-forward", "lps", "none")
     ) == pytest.approx(4)
     assert value("dispatch_failures_total", instance=first) == 1

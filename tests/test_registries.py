@@ -174,6 +174,7 @@ def test_source_context_carries_the_routers_session_and_config() -> None:
 
 PLUGIN = """
 from bearsdk.estimators.registry import register_estimator
+from bearsdk.router.sources import register_snapshot_source
 
 
 class PerWaiting:
@@ -182,6 +183,17 @@ class PerWaiting:
 
 
 register_estimator("per-waiting", lambda ctx: PerWaiting(), replace=True)
+
+
+class Blind:
+    # Never delivers a snapshot (its live form does not matter here).
+    def deliver(self, snapshot, received):
+        return None
+
+
+register_snapshot_source(
+    "blind", lambda ctx: None, simulated=lambda config: Blind(), replace=True
+)
 """
 
 SIM = """
@@ -228,14 +240,59 @@ def test_a_plugin_estimator_works_through_bearsdk_simulate(
         rc = main([*argv, "--json", "--workers", "1"])
         out, _ = capsys.readouterr()
     finally:
-        if "per-waiting" in estimator_names():
-            unregister_estimator("per-waiting")
+        _drop_plugin()
     assert rc == 0
     rows = json.loads(out)["results"]
     assert {r["policy"] for r in rows} == {"bear(latency=bea)", "bear(latency=per-waiting)"}
     by = {r["policy"]: r for r in rows}
     assert "per-waiting" in by["bear(latency=per-waiting)"]["ttft_mape"]
     assert "per-waiting" not in by["bear(latency=bea)"]["ttft_mape"]
+
+
+def _drop_plugin() -> None:
+    if "per-waiting" in estimator_names():
+        unregister_estimator("per-waiting")
+    if "blind" in snapshot_source_names():
+        unregister_snapshot_source("blind")
+
+
+def test_a_plugin_snapshot_source_works_through_bearsdk_simulate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bearsdk.cli import main
+
+    # Its own module name: an earlier test imported (and cached) the first one.
+    (tmp_path / "bear_plugin_blind.py").write_text(PLUGIN)
+    blind = SIM
+    for engine in ('engine = "qwen3-32b-2xh100"', 'engine = "qwen3-0.6b-h100"'):
+        blind = blind.replace(engine, f'{engine}\nsnapshots = "blind"')
+    blind = blind.replace('latency = ["bea", "per-waiting"]', 'latency = ["bea"]')
+    (tmp_path / "sim.toml").write_text(blind)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("BEARSDK_PLUGINS", "")
+    try:
+        argv = ["--plugin", "bear_plugin_blind", "simulate", "--config", str(tmp_path / "sim.toml")]
+        rc = main([*argv, "--json", "--workers", "1"])
+        out, _ = capsys.readouterr()
+    finally:
+        _drop_plugin()
+    assert rc == 0
+    (row,) = json.loads(out)["results"]
+    # No snapshot ever reached the router: every decision fell back to LPS.
+    assert set(row["ttft_mape"]) == {"all", "lps"}
+
+
+def test_a_source_without_a_simulated_form_is_refused_by_the_simulator(tmp_path: Path) -> None:
+    from bearsdk.sim.config import SimConfigError, load_config
+
+    small = 'engine = "qwen3-0.6b-h100"'
+    cfg = SIM.replace(small, f'{small}\nsnapshots = "metrics"')
+    (tmp_path / "sim.toml").write_text(cfg)
+    with pytest.raises(SimConfigError, match="snapshots: source 'metrics' has no simulated form"):
+        load_config(tmp_path / "sim.toml")
+    (tmp_path / "sim.toml").write_text(cfg.replace('"metrics"', '"carrier-pigeon"'))
+    with pytest.raises(SimConfigError, match=r"snapshots must be one of .*'carrier-pigeon'"):
+        load_config(tmp_path / "sim.toml")
 
 
 def test_a_plugin_that_cannot_be_imported_is_one_line_and_exit_2(

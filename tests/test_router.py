@@ -62,7 +62,7 @@ async def test_decision_records_every_candidate() -> None:
         d = await router.route(MSG, ttft_target=0.5)
         assert [c.instance for c in d.candidates] == router.instances
         assert d.instance == d.candidates[d.index].instance
-        assert d.policy == "bear"
+        assert d.selector == "bear"
         for c in d.candidates:
             assert 0.0 <= c.accuracy <= 1.0
             assert c.cost > 0

@@ -33,8 +33,7 @@ from bearsdk.bench import time_call
 from bearsdk.cli import positive_int
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.replay import implementations
-from bearsdk.schedulers import compile_policy
-from bearsdk.schedulers import policy as bind_policy
+from bearsdk.schedulers import bind_scheduler, compile_scheduler
 from bearsdk.snapshot import KVState, RequestState, Snapshot
 
 __all__ = ["SCENARIOS", "Scenario", "build_scenarios", "register"]
@@ -193,11 +192,11 @@ CUSTOM_SPEC: dict[str, Any] = {
 def _prepared(
     sc: Scenario, impl: str, scheduler: str = "vllm-v1"
 ) -> tuple[Callable[[], float], int, int]:
-    pol = bind_policy(scheduler, sc.params)
+    pol = bind_scheduler(scheduler, sc.params)
     kv = sc.snapshot.kv
     assert kv is not None
     pol = pol.with_kv(kv.block_size, kv.num_blocks)
-    rp = compile_policy(pol, impl)
+    rp = compile_scheduler(pol, impl)
     prep = rp.prepare(sc.snapshot.table, kv.free_blocks, sc.snapshot.ids)
     coeffs = COEFFS.coeffs
     res = rp.replay(prep, sc.prompt_tokens, sc.output_len, coeffs, record=True)

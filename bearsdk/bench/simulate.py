@@ -41,14 +41,14 @@ def run(
     from bearsdk.sim.config import PAPER_POOL, POLICIES, SimConfig, SweepSpec, WorkloadSpec
     from bearsdk.sim.run import ORACLE, ORACLE_LATENCY, PolicySpec
     from bearsdk.sim.sweep import run_config
-    from bearsdk.state import StalenessPolicy
+    from bearsdk.state import StalenessRules
 
     names = [*POLICIES, *((ORACLE, ORACLE_LATENCY) if oracle else ())]
     cfg = SimConfig(
         name="bench",
         requests=requests,
         seeds=(seed,),
-        router_staleness=StalenessPolicy(),
+        router_staleness=StalenessRules(),
         batch_time="profile",
         resident_lengths="predicted",
         predictor="default",

@@ -49,10 +49,10 @@ from bearsdk.estimators.length import MeanLengthPredictor
 from bearsdk.estimators.prefill import nominal_theta_pre
 from bearsdk.io.metrics import EngineMetrics
 from bearsdk.replay import SchedulerCore
-from bearsdk.schedulers import policy as bind_policy
+from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import decode_snapshot
 from bearsdk.state.cache import SnapshotCache
-from bearsdk.state.instance import InstanceState, StalenessPolicy
+from bearsdk.state.instance import InstanceState, StalenessRules
 from bearsdk.state.shadow import ShadowView
 
 __all__ = ["METHODS", "Workload", "register", "run"]
@@ -113,10 +113,10 @@ class Workload:
 
 def _variants(est: BEAEstimator, delays: Sequence[float]) -> dict[tuple[float, str], InstanceState]:
     policies = {
-        "paper": StalenessPolicy.paper(),
-        "overlay": StalenessPolicy(fast_forward_after_s=None, fallback_after_s=math.inf),
-        "fast-forward": StalenessPolicy(overlay=False, fallback_after_s=math.inf),
-        "overlay+ff": StalenessPolicy(fallback_after_s=math.inf),
+        "paper": StalenessRules.paper(),
+        "overlay": StalenessRules(fast_forward_after_s=None, fallback_after_s=math.inf),
+        "fast-forward": StalenessRules(overlay=False, fallback_after_s=math.inf),
+        "overlay+ff": StalenessRules(fallback_after_s=math.inf),
     }
     out = {}
     for d in delays:
@@ -127,13 +127,13 @@ def _variants(est: BEAEstimator, delays: Sequence[float]) -> dict[tuple[float, s
             f"delay-{d}", estimator=est, clock=lambda: 0.0, max_transit_s=math.inf
         )
         for m, pol in policies.items():
-            out[(d, m)] = InstanceState(cache, est, fallback=None, policy=pol)
+            out[(d, m)] = InstanceState(cache, est, fallback=None, rules=pol)
     return out
 
 
 def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, Any]:
     """Run the experiment; return MAPEs by delay and method, and run statistics."""
-    pol = bind_policy("vllm-v1", dict(workload.params))
+    pol = bind_scheduler("vllm-v1", dict(workload.params))
     est = BEAEstimator(pol, COEFFS, MeanLengthPredictor(mean=workload.output_mean))
     delays = [d / 1000.0 for d in delays_ms]
     states = _variants(est, delays)
@@ -164,7 +164,7 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
         "bench", clock=lambda: clock[0], prefill_tokens_per_s=nominal_theta_pre(COEFFS, budget)
     )
     shadow = InstanceState(
-        shadow_cache, est, fallback=None, policy=StalenessPolicy(fallback_after_s=math.inf)
+        shadow_cache, est, fallback=None, rules=StalenessRules(fallback_after_s=math.inf)
     )
     shadow_est: dict[str, float] = {}
     polls: deque[tuple[float, EngineMetrics]] = deque()

@@ -21,7 +21,7 @@ from bearsdk.errors import BearError
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
 from bearsdk.estimators.length import MeanLengthPredictor
-from bearsdk.schedulers import policy as bind_policy
+from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import decode_snapshot, snapshot_from_dict
 
 __all__ = ["register", "replay_case"]
@@ -150,7 +150,7 @@ def replay_case(
     coeffs = _coeffs(case.get("batch_time"), "batch_time")
     snap = snapshot_from_dict(case["snapshot"])
     est = BEAEstimator(
-        bind_policy(scheduler, params),
+        bind_scheduler(scheduler, params),
         coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
         MeanLengthPredictor(mean=mean_output_len),
         implementation=impl,
@@ -216,7 +216,7 @@ def _run_single(args: argparse.Namespace) -> int:
         snap = decode_snapshot(f.read())
     coeffs = _coeffs(args.batch_time, "--batch-time")
     est = BEAEstimator(
-        bind_policy(args.scheduler, _params(args.param)),
+        bind_scheduler(args.scheduler, _params(args.param)),
         coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
         MeanLengthPredictor(mean=args.mean_output_len),
         implementation=args.impl,

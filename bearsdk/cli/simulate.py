@@ -110,9 +110,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.batch_time is not None:
         cfg = attrs.evolve(cfg, batch_time=args.batch_time)
     if args.router_staleness is not None:
-        from bearsdk.state import StalenessPolicy
+        from bearsdk.state import StalenessRules
 
-        st = StalenessPolicy() if args.router_staleness == "default" else StalenessPolicy.paper()
+        st = StalenessRules() if args.router_staleness == "default" else StalenessRules.paper()
         cfg = attrs.evolve(cfg, router_staleness=st)
     if args.resident_lengths is not None:
         cfg = attrs.evolve(cfg, resident_lengths=args.resident_lengths)

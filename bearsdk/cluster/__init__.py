@@ -24,7 +24,6 @@ the bus is in :mod:`bearsdk.cluster.wire`. See ``docs/scale-out.md``.
 
 from __future__ import annotations
 
-import math
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _validators as _v
 from bearsdk.cluster.bus import BusStats, RedisBus
 from bearsdk.cluster.overlay import DispatchBus, OverlayStats, SharedOverlay
 from bearsdk.cluster.redis_source import RedisSnapshotBridge, RedisSource
@@ -57,11 +57,6 @@ __all__ = [
 ]
 
 
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
 @attrs.define
 class Cluster:
     """One router replica's share of state with the others, over one Redis bus.
@@ -82,8 +77,8 @@ class Cluster:
     bus: RedisBus
     share_dispatches: bool = True
     replica: str = attrs.field(factory=lambda: secrets.token_hex(4))
-    stale_after_s: float = attrs.field(default=1.0, validator=_positive)
-    recover_after_s: float = attrs.field(default=0.5, validator=_positive)
+    stale_after_s: float = attrs.field(default=1.0, validator=_v.positive)
+    recover_after_s: float = attrs.field(default=0.5, validator=_v.positive)
     _overlay: SharedOverlay | None = attrs.field(init=False, default=None)
     _sources: dict[str, RedisSource] = attrs.field(init=False, factory=dict)
 

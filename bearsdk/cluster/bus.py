@@ -53,10 +53,9 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _validators as _v
 from bearsdk.cluster.wire import (
     DispatchEvent,
-    _count,
-    _positive,
     _prefix,
     _url,
     key_name,
@@ -145,13 +144,13 @@ class RedisBus:
 
     url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_url, repr=redact_url)
     prefix: str = attrs.field(default="bear", validator=_prefix)
-    timeout_s: float = attrs.field(default=0.25, validator=_positive)
-    block_s: float = attrs.field(default=0.1, validator=_positive)
-    keepalive_s: float = attrs.field(default=0.25, validator=_positive)
-    snapshot_ttl_s: float = attrs.field(default=5.0, validator=_positive)
-    dispatch_ttl_s: float = attrs.field(default=5.0, validator=_positive)
-    max_queue: int = attrs.field(default=4096, validator=_count)
-    max_read: int = attrs.field(default=1000, validator=_count)
+    timeout_s: float = attrs.field(default=0.25, validator=_v.positive)
+    block_s: float = attrs.field(default=0.1, validator=_v.positive)
+    keepalive_s: float = attrs.field(default=0.25, validator=_v.positive)
+    snapshot_ttl_s: float = attrs.field(default=5.0, validator=_v.positive)
+    dispatch_ttl_s: float = attrs.field(default=5.0, validator=_v.positive)
+    max_queue: int = attrs.field(default=4096, validator=_v.count)
+    max_read: int = attrs.field(default=1000, validator=_v.count)
     backoff: Backoff = attrs.field(factory=lambda: Backoff(initial_s=0.05, max_s=1.0))
     _name: str = attrs.field(default="", alias="name")
     _client: redis.asyncio.Redis | None = attrs.field(init=False, default=None)

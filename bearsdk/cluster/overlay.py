@@ -18,13 +18,13 @@ overlay, and the others' dispatches it already knows age out as usual.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
+from bearsdk import _validators as _v
 from bearsdk.cluster.wire import DispatchEvent
 from bearsdk.errors import BearError
 from bearsdk.router.core import RouterCore
@@ -47,11 +47,6 @@ class DispatchBus(Protocol):
     def subscribe_dispatches(self, callback: Callable[[DispatchEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every event read; returns the unsubscriber."""
         ...
-
-
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
 
 
 def _replica_id(inst: object, att: attrs.Attribute[str], value: str) -> None:
@@ -103,7 +98,7 @@ class SharedOverlay:
 
     bus: DispatchBus
     replica: str = attrs.field(factory=lambda: secrets.token_hex(4), validator=_replica_id)
-    max_age_s: float = attrs.field(default=5.0, validator=_positive)
+    max_age_s: float = attrs.field(default=5.0, validator=_v.positive)
     _router: RouterCore | None = attrs.field(init=False, default=None)
     _unsubscribe: Callable[[], None] | None = attrs.field(init=False, default=None)
     _published: int = attrs.field(init=False, default=0)

@@ -20,8 +20,8 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _validators as _v
 from bearsdk.cluster.bus import RedisBus
-from bearsdk.cluster.wire import _count, _positive
 from bearsdk.errors import SnapshotError
 from bearsdk.io.base import SnapshotSource, SourceStats
 from bearsdk.snapshot import MAX_SNAPSHOT_BYTES, decode_snapshot
@@ -70,10 +70,10 @@ class RedisSource:
     bus: RedisBus
     instance: str
     fallback: SnapshotSource | None = None
-    stale_after_s: float = attrs.field(default=1.0, validator=_positive)
-    recover_after_s: float = attrs.field(default=0.5, validator=_positive)
-    check_s: float = attrs.field(default=0.05, validator=_positive)
-    max_bytes: int = attrs.field(default=MAX_SNAPSHOT_BYTES, validator=_count)
+    stale_after_s: float = attrs.field(default=1.0, validator=_v.positive)
+    recover_after_s: float = attrs.field(default=0.5, validator=_v.positive)
+    check_s: float = attrs.field(default=0.05, validator=_v.positive)
+    max_bytes: int = attrs.field(default=MAX_SNAPSHOT_BYTES, validator=_v.count)
     _name: str = attrs.field(default="", alias="name")
     _last: float = attrs.field(init=False, default=-math.inf)
     _alive_since: float = attrs.field(init=False, default=math.inf)

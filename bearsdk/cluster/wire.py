@@ -64,16 +64,6 @@ def key_name(name: str) -> str:
     return name.replace("%", "%25").replace(":", "%3A")
 
 
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
-def _count(inst: object, att: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{att.name} must be an integer >= 1 (got {value!r})")
-
-
 def _prefix(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value or any(c.isspace() for c in value):
         raise ValueError(

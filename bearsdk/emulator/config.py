@@ -17,8 +17,7 @@ import attrs
 from bearsdk.emulator.profiles import EmulatorProfile
 from bearsdk.emulator.timing import GroundTruthParams
 from bearsdk.errors import BearError
-from bearsdk.schedulers import Policy, get_scheduler
-from bearsdk.schedulers import policy as bind_policy
+from bearsdk.schedulers import Policy, bind_scheduler, get_scheduler
 
 __all__ = ["EngineConfig", "EngineConfigError", "bind_config", "config_check"]
 
@@ -141,7 +140,7 @@ def bind_config(config: EngineConfig, profile: EmulatorProfile) -> tuple[Policy,
         SpecError: Unknown scheduler or bad policy parameter.
     """
     spec = get_scheduler(config.scheduler)
-    pol = bind_policy(config.scheduler, _defaults_for(dict(spec.params), profile, config.params))
+    pol = bind_scheduler(config.scheduler, _defaults_for(dict(spec.params), profile, config.params))
     if pol.num_blocks <= 0:
         pol = pol.with_kv(pol.block_size, profile.num_gpu_blocks(pol.block_size))
     mml = pol.max_model_len if pol.max_model_len > 0 else profile.max_model_len

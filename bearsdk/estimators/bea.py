@@ -19,8 +19,7 @@ from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
 from bearsdk.replay.types import BatchRecord, StopReason
-from bearsdk.schedulers import Policy, compile_policy
-from bearsdk.schedulers import policy as bind_policy
+from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
 from bearsdk.snapshot import Snapshot
 
 __all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate"]
@@ -112,7 +111,7 @@ class BEAEstimator:
         **kwargs: object,
     ) -> BEAEstimator:
         """Build an estimator for a registered scheduler and parameter overrides."""
-        return cls(bind_policy(scheduler, params), batch_time, **kwargs)  # type: ignore[arg-type]
+        return cls(bind_scheduler(scheduler, params), batch_time, **kwargs)  # type: ignore[arg-type]
 
     def prepare(self, snapshot: Snapshot) -> PreparedSnapshot:
         """Resolve output lengths and build replay state for ``snapshot``.
@@ -124,7 +123,7 @@ class BEAEstimator:
         if snapshot.kv is not None:
             pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
             free = snapshot.kv.free_blocks
-        replayer = compile_policy(pol, self.implementation)
+        replayer = compile_scheduler(pol, self.implementation)
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
         state = replayer.prepare(table, free, snapshot.ids)
         return PreparedSnapshot(snapshot, replayer, state)

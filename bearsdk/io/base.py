@@ -19,7 +19,6 @@ instance is estimated with the fallback until snapshots arrive.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -28,22 +27,14 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _validators as _v
+
 if TYPE_CHECKING:
     from bearsdk.state.cache import SnapshotCache
 
 __all__ = ["Backoff", "SnapshotSource", "SourceStats"]
 
 log = logging.getLogger("bearsdk.io")
-
-
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
-def _fraction(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (0.0 <= value <= 1.0):
-        raise ValueError(f"{att.name} must be in [0, 1] (got {value!r})")
 
 
 @attrs.frozen
@@ -58,10 +49,10 @@ class Backoff:
             that lost the same engine do not reconnect in lockstep.
     """
 
-    initial_s: float = attrs.field(default=0.05, validator=_positive)
-    max_s: float = attrs.field(default=5.0, validator=_positive)
-    factor: float = attrs.field(default=2.0, validator=_positive)
-    jitter: float = attrs.field(default=0.2, validator=_fraction)
+    initial_s: float = attrs.field(default=0.05, validator=_v.positive)
+    max_s: float = attrs.field(default=5.0, validator=_v.positive)
+    factor: float = attrs.field(default=2.0, validator=_v.positive)
+    jitter: float = attrs.field(default=0.2, validator=_v.fraction)
 
     def delay(self, failures: int, rng: random.Random | None = None) -> float:
         """The delay before the next attempt after ``failures`` consecutive failures (>= 1)."""
@@ -111,6 +102,23 @@ class SnapshotSource(Protocol):
     def stats(self) -> SourceStats:
         """The counters so far."""
         ...
+
+
+class _Tracked:
+    """``name`` and ``stats()`` for a source that keeps ``_name`` and a ``_Health``."""
+
+    __slots__ = ()
+    _name: str
+    _health: _Health
+
+    @property
+    def name(self) -> str:
+        """Label used in logs and :attr:`CachedSnapshot.source`."""
+        return self._name
+
+    def stats(self) -> SourceStats:
+        """The counters so far."""
+        return self._health.stats()
 
 
 @attrs.define

@@ -9,7 +9,6 @@ otherwise open and close their own inside :meth:`run`.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -19,7 +18,8 @@ import anyio
 import anyio.abc
 import attrs
 
-from bearsdk.io.base import Backoff, SourceStats, _Health
+from bearsdk import _validators as _v
+from bearsdk.io.base import Backoff, _Health, _Tracked
 from bearsdk.snapshot import MAX_SNAPSHOT_BYTES
 from bearsdk.state.cache import Outcome, Reject
 
@@ -30,11 +30,6 @@ __all__ = ["PollSource", "PushSource"]
 
 # Transport failures a source retries; anything else is a bug and propagates.
 _RETRY = (aiohttp.ClientError, OSError, TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError)
-
-
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
 
 
 def _base(url: str) -> str:
@@ -57,7 +52,7 @@ class _Failure(Exception):
 
 
 @attrs.define
-class PollSource:
+class PollSource(_Tracked):
     """Polls ``GET {url}/bear/snapshot`` every ``interval_s``.
 
     Args:
@@ -71,8 +66,8 @@ class PollSource:
     """
 
     url: str = attrs.field(converter=_base)
-    interval_s: float = attrs.field(default=0.05, validator=_positive)
-    timeout_s: float = attrs.field(default=1.0, validator=_positive)
+    interval_s: float = attrs.field(default=0.05, validator=_v.positive)
+    timeout_s: float = attrs.field(default=1.0, validator=_v.positive)
     backoff: Backoff = attrs.field(factory=Backoff)
     max_bytes: int = MAX_SNAPSHOT_BYTES
     session: aiohttp.ClientSession | None = None
@@ -83,15 +78,6 @@ class PollSource:
     def __attrs_post_init__(self) -> None:
         self._name = self._name or f"poll:{self.url}"
         self._health = _Health(self._name)
-
-    @property
-    def name(self) -> str:
-        """Label used in logs and :attr:`CachedSnapshot.source`."""
-        return self._name
-
-    def stats(self) -> SourceStats:
-        """The counters so far."""
-        return self._health.stats()
 
     async def run(
         self,
@@ -152,7 +138,7 @@ class PollSource:
 
 
 @attrs.define
-class PushSource:
+class PushSource(_Tracked):
     """Follows the NDJSON stream ``GET {url}/bear/snapshots`` over one persistent connection.
 
     Every line is a snapshot (an empty line is a heartbeat). Silence for
@@ -173,8 +159,8 @@ class PushSource:
     """
 
     url: str = attrs.field(converter=_base)
-    heartbeat_s: float = attrs.field(default=1.0, validator=_positive)
-    connect_timeout_s: float = attrs.field(default=2.0, validator=_positive)
+    heartbeat_s: float = attrs.field(default=1.0, validator=_v.positive)
+    connect_timeout_s: float = attrs.field(default=2.0, validator=_v.positive)
     min_interval_ms: int = 0
     backoff: Backoff = attrs.field(factory=Backoff)
     max_line_bytes: int = MAX_SNAPSHOT_BYTES
@@ -188,15 +174,6 @@ class PushSource:
         self._health = _Health(self._name)
         if self.min_interval_ms < 0:
             raise ValueError(f"min_interval_ms must be >= 0 (got {self.min_interval_ms!r})")
-
-    @property
-    def name(self) -> str:
-        """Label used in logs and :attr:`CachedSnapshot.source`."""
-        return self._name
-
-    def stats(self) -> SourceStats:
-        """The counters so far."""
-        return self._health.stats()
 
     async def run(
         self,

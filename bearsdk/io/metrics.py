@@ -20,9 +20,10 @@ import anyio
 import anyio.abc
 import attrs
 
+from bearsdk import _validators as _v
 from bearsdk.errors import BearError
-from bearsdk.io.base import Backoff, SourceStats, _Health
-from bearsdk.io.http import _RETRY, _base, _Failure, _positive, _session
+from bearsdk.io.base import Backoff, _Health, _Tracked
+from bearsdk.io.http import _RETRY, _base, _Failure, _session
 
 if TYPE_CHECKING:
     from bearsdk.state.cache import SnapshotCache
@@ -127,7 +128,7 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
 
 
 @attrs.define
-class MetricsSource:
+class MetricsSource(_Tracked):
     """Polls vLLM's ``/metrics`` into a shadow view and refreshes the instance's cache from it.
 
     Two loops in one task: metrics every ``interval_s``; the shadow's snapshot
@@ -146,9 +147,9 @@ class MetricsSource:
 
     url: str = attrs.field(converter=_base)
     view: ShadowView
-    interval_s: float = attrs.field(default=0.5, validator=_positive)
-    refresh_s: float = attrs.field(default=0.02, validator=_positive)
-    timeout_s: float = attrs.field(default=1.0, validator=_positive)
+    interval_s: float = attrs.field(default=0.5, validator=_v.positive)
+    refresh_s: float = attrs.field(default=0.02, validator=_v.positive)
+    timeout_s: float = attrs.field(default=1.0, validator=_v.positive)
     backoff: Backoff = attrs.field(factory=Backoff)
     session: aiohttp.ClientSession | None = None
     _name: str = attrs.field(default="", alias="name")
@@ -159,15 +160,6 @@ class MetricsSource:
     def __attrs_post_init__(self) -> None:
         self._name = self._name or f"metrics:{self.url}"
         self._health = _Health(self._name)
-
-    @property
-    def name(self) -> str:
-        """Label used in logs and :attr:`CachedSnapshot.source`."""
-        return self._name
-
-    def stats(self) -> SourceStats:
-        """The counters so far."""
-        return self._health.stats()
 
     async def run(
         self,

@@ -31,7 +31,6 @@ length beyond their mapping (never reading past it).
 from __future__ import annotations
 
 import contextlib
-import math
 import mmap
 import os
 import random
@@ -47,8 +46,9 @@ import anyio.abc
 import attrs
 
 from bearsdk import _twins
+from bearsdk import _validators as _v
 from bearsdk.io import _shm_py
-from bearsdk.io.base import Backoff, SourceStats, _Health
+from bearsdk.io.base import Backoff, _Health, _Tracked
 from bearsdk.state.cache import Outcome, Reject
 
 if TYPE_CHECKING:
@@ -420,13 +420,8 @@ class ShmReader:
         self.close()
 
 
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
 @attrs.define
-class ShmSource:
+class ShmSource(_Tracked):
     """Watches a shared-memory segment and offers every new snapshot to a cache.
 
     The event loop checks the counter every ``interval_s`` (one atomic load when
@@ -446,7 +441,7 @@ class ShmSource:
     """
 
     path: Path = attrs.field(converter=resolve_segment)
-    interval_s: float = attrs.field(default=0.001, validator=_positive)
+    interval_s: float = attrs.field(default=0.001, validator=_v.positive)
     retries: int = 3
     backoff: Backoff = attrs.field(factory=Backoff)
     implementation: str | None = None
@@ -459,15 +454,6 @@ class ShmSource:
         self._name = self._name or f"shm:{self.path}"
         self._health = _Health(self._name)
         _impl(self.implementation)
-
-    @property
-    def name(self) -> str:
-        """Label used in logs and :attr:`CachedSnapshot.source`."""
-        return self._name
-
-    def stats(self) -> SourceStats:
-        """The counters so far."""
-        return self._health.stats()
 
     async def run(
         self,

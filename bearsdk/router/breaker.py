@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 
 import attrs
+
+from bearsdk import _validators as _v
 
 __all__ = ["BreakerState", "CircuitBreaker"]
 
@@ -16,16 +17,6 @@ class BreakerState(enum.StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half-open"
-
-
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
-def _threshold(inst: object, att: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"threshold must be an integer >= 1 (got {value!r})")
 
 
 @attrs.define
@@ -48,10 +39,10 @@ class CircuitBreaker:
         probe_timeout_s: Longest wait for a probe's verdict.
     """
 
-    threshold: int = attrs.field(default=3, validator=_threshold)
-    cooldown_s: float = attrs.field(default=2.0, validator=_positive)
-    max_cooldown_s: float = attrs.field(default=60.0, validator=_positive)
-    probe_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    threshold: int = attrs.field(default=3, validator=_v.count)
+    cooldown_s: float = attrs.field(default=2.0, validator=_v.positive)
+    max_cooldown_s: float = attrs.field(default=60.0, validator=_v.positive)
+    probe_timeout_s: float = attrs.field(default=60.0, validator=_v.positive)
     _failures: int = attrs.field(default=0, init=False)
     _opened_at: float = attrs.field(default=0.0, init=False)
     _current_cooldown: float = attrs.field(default=0.0, init=False)

@@ -210,12 +210,12 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
         raise ConfigError(f"{label}: {exc}") from None
     except TypeError as exc:
         raise ConfigError(f"{label}: {exc}") from None
-    # Fail at load time, not at the first request: bind the scheduler policy now.
+    # Fail at load time, not at the first request: bind the scheduler spec now.
     from bearsdk.errors import SpecError
-    from bearsdk.schedulers import policy
+    from bearsdk.schedulers import bind_scheduler
 
     try:
-        policy(inst.scheduler, inst.params)
+        bind_scheduler(inst.scheduler, inst.params)
     except SpecError as exc:
         raise ConfigError(f"{label}: {exc}") from None
     return inst

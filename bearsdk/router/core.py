@@ -350,7 +350,7 @@ class RouterCore:
         j = chosen.model_index
         d = Decision(
             request_id=request_id or self.next_id(),
-            policy=sel_.name,
+            selector=sel_.name,
             instance=chosen.name,
             candidates=candidates,
             index=sel.index,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import attrs
 
@@ -19,9 +20,9 @@ class Candidate:
         accuracy: Predicted accuracy in [0, 1].
         cost: Predicted cost in micro-dollars (see :class:`~bearsdk.selectors.Option`).
         utility: ``accuracy - lam * cost``.
-        ttft_s: The policy's TTFT estimate (``nan`` when it uses none).
-        feasible: Predicted to meet the target (``None``: the policy ignores targets).
-        score: What the policy maximised.
+        ttft_s: The selector's TTFT estimate (``nan`` when it uses none).
+        feasible: Predicted to meet the target (``None``: the selector ignores targets).
+        score: What the selector maximised.
         estimator: Which estimator produced ``ttft_s``: ``bea`` (the snapshot
             replayed as it is), ``overlay`` (BEA with the requests sent since the
             snapshot added), ``fast-forward`` (BEA from the snapshot advanced to
@@ -54,12 +55,12 @@ class Decision:
 
     Attributes:
         request_id: The router's id for the request.
-        policy: The selection policy's name.
+        selector: The selector's name (``bear``, ``lagrangian``, ...).
         instance: The chosen instance.
         candidates: Every instance considered, in pool order.
         index: Index of the chosen one in ``candidates``.
         ttft_target_s: The request's TTFT target.
-        reason: The policy's reason.
+        reason: The selector's reason.
         prompt_tokens: Prompt tokens at the chosen instance's model.
         output_tokens: Predicted output tokens there.
         decided_at: Router clock (``time.monotonic``) at the decision.
@@ -67,7 +68,7 @@ class Decision:
     """
 
     request_id: str
-    policy: str
+    selector: str
     instance: str
     candidates: tuple[Candidate, ...]
     index: int
@@ -79,6 +80,16 @@ class Decision:
     decide_s: float
 
     @property
+    def policy(self) -> str:
+        """The old name of :attr:`selector` (deprecated)."""
+        warnings.warn(
+            "Decision.policy is deprecated: read Decision.selector",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.selector
+
+    @property
     def chosen(self) -> Candidate:
         """The chosen candidate."""
         return self.candidates[self.index]
@@ -86,7 +97,7 @@ class Decision:
     def explain(self) -> str:
         """A few lines for humans: the candidates and the choice."""
         target_ms = self.ttft_target_s * 1e3
-        lines = [f"{self.policy}: {self.instance} ({self.reason}; target {target_ms:.0f} ms)"]
+        lines = [f"{self.selector}: {self.instance} ({self.reason}; target {target_ms:.0f} ms)"]
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.index else " "
             feas = "" if c.feasible is None else (" ok " if c.feasible else " miss")

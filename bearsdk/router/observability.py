@@ -8,13 +8,13 @@ when not attached::
     DecisionLog().attach(router)  # one JSON line per decision and per outcome
 
 Metrics (namespace ``bearsdk`` by default), labelled by ``instance`` and, where
-it applies, ``policy`` and ``estimator``:
+it applies, ``selector`` and ``estimator``:
 
 ==========================================  =========  =====================================
 name                                        type       what
 ==========================================  =========  =====================================
 ``decisions_total``                         counter    routing decisions, by chosen instance,
-                                                       policy and the estimator behind it
+                                                       selector and the estimator behind it
 ``decision_seconds``                        histogram  time one decision took
 ``fallbacks_total``                         counter    decisions made without a fresh snapshot
                                                        (the LPS fallback)
@@ -76,7 +76,7 @@ class PrometheusMetrics:
         reg = registry if registry is not None else prom.REGISTRY
         kw: dict[str, Any] = {"namespace": namespace, "registry": reg}
         self.decisions = prom.Counter(
-            "decisions", "Routing decisions", ["instance", "policy", "estimator"], **kw
+            "decisions", "Routing decisions", ["instance", "selector", "estimator"], **kw
         )
         self.decision_seconds = prom.Histogram(
             "decision_seconds", "Time one routing decision took", buckets=_DECIDE_BUCKETS, **kw
@@ -130,7 +130,7 @@ class PrometheusMetrics:
 
     def _on_decision(self, d: Decision) -> None:
         c = d.chosen
-        self.decisions.labels(d.instance, d.policy, c.estimator).inc()
+        self.decisions.labels(d.instance, d.selector, c.estimator).inc()
         self.decision_seconds.observe(d.decide_s)
         for cand in d.candidates:
             if math.isfinite(cand.snapshot_age_s):
@@ -199,7 +199,7 @@ class DecisionLog:
         doc: dict[str, Any] = {
             "event": "decision",
             "request_id": d.request_id,
-            "policy": d.policy,
+            "selector": d.selector,
             "instance": d.instance,
             "reason": d.reason,
             "ttft_target_s": d.ttft_target_s,

@@ -14,12 +14,20 @@ user registers their own::
 
 A source's contract (readiness after its first attempt, retries with backoff,
 nothing outside its own ``run``) is :class:`bearsdk.io.SnapshotSource`'s.
+
+``bearsdk simulate`` runs in virtual time, so it cannot run a source's ``run``;
+a kind may also give a *simulated form* (``simulated=``): a factory of
+:class:`SimulatedSource`, which the simulator hands every snapshot its engine
+publishes, with the time the router would receive it, and which returns what
+the router's cache is offered, and when (or nothing). The built-ins that carry
+the engine's own snapshots (push, poll, shm, redis) deliver them unchanged, at
+``published + staleness_ms``; ``metrics`` has no simulated form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
@@ -31,9 +39,12 @@ if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
     from bearsdk.io import SnapshotSource
     from bearsdk.router.config import InstanceConfig
+    from bearsdk.snapshot import Snapshot
     from bearsdk.state import ShadowView
 
 __all__ = [
+    "SimulatedSource",
+    "SimulatedSourceFactory",
     "SourceContext",
     "SourceError",
     "SourceFactory",
@@ -71,6 +82,40 @@ SourceFactory = Callable[[SourceContext], "SnapshotSource"]
 """Builds one instance's snapshot source."""
 
 
+class SimulatedSource(Protocol):
+    """A source's form in the simulator (virtual time, no I/O)."""
+
+    def deliver(self, snapshot: Snapshot, received: float) -> tuple[Snapshot, float] | None:
+        """What the router's cache is offered for one published snapshot.
+
+        Args:
+            snapshot: What the simulated engine published (its ``time`` is when).
+            received: When a push stream would deliver it (published plus the
+                scenario's staleness).
+
+        Returns:
+            The snapshot to offer and when it is received (not before
+            ``received``: the simulator offers it once the clock gets there), or
+            ``None`` to deliver nothing for this one.
+        """
+        ...
+
+
+SimulatedSourceFactory = Callable[["InstanceConfig"], SimulatedSource]
+"""Builds one instance's simulated source from its configuration."""
+
+
+class _Unchanged:
+    """The simulated form of a source that carries the engine's own snapshots."""
+
+    def deliver(self, snapshot: Snapshot, received: float) -> tuple[Snapshot, float] | None:
+        return snapshot, received
+
+
+def _unchanged(config: InstanceConfig) -> SimulatedSource:
+    return _Unchanged()
+
+
 @attrs.frozen
 class SourceKind:
     """A registered source kind.
@@ -81,12 +126,15 @@ class SourceKind:
         needs_cluster: Only with ``AsyncRouter(..., cluster=...)``.
         shadow: The router keeps a shadow view of its own dispatches for the
             instance (:class:`~bearsdk.state.ShadowView`), handed to the factory.
+        simulated: Its form in ``bearsdk simulate`` (``None``: it has none,
+            and a simulation that names it is refused).
     """
 
     name: str
     factory: SourceFactory
     needs_cluster: bool = False
     shadow: bool = False
+    simulated: SimulatedSourceFactory | None = None
 
 
 _REGISTRY: dict[str, SourceKind] = {}
@@ -98,6 +146,7 @@ def register_snapshot_source(
     *,
     needs_cluster: bool = False,
     shadow: bool = False,
+    simulated: SimulatedSourceFactory | None = None,
     replace: bool = False,
 ) -> None:
     """Register a snapshot source kind under ``name``.
@@ -107,6 +156,8 @@ def register_snapshot_source(
         factory: Builds one instance's source from its :class:`SourceContext`.
         needs_cluster: The kind needs the router's cluster.
         shadow: The router keeps a shadow view of the instance for the source.
+        simulated: Builds the kind's :class:`SimulatedSource`, for
+            ``bearsdk simulate`` (default: the simulator refuses the kind).
         replace: Replace a kind of that name (default: refuse).
 
     Raises:
@@ -117,9 +168,15 @@ def register_snapshot_source(
         raise SourceError(f"snapshot source name must be a non-empty string (got {name!r})")
     if not callable(factory):
         raise SourceError(f"snapshot source {name!r}: factory must be callable (got {factory!r})")
+    if simulated is not None and not callable(simulated):
+        raise SourceError(
+            f"snapshot source {name!r}: simulated must be callable (got {simulated!r})"
+        )
     if name in _REGISTRY and not replace:
         raise SourceError(f"snapshot source {name!r} is already registered (pass replace=True)")
-    _REGISTRY[name] = SourceKind(name, factory, needs_cluster=needs_cluster, shadow=shadow)
+    _REGISTRY[name] = SourceKind(
+        name, factory, needs_cluster=needs_cluster, shadow=shadow, simulated=simulated
+    )
 
 
 def unregister_snapshot_source(name: str) -> None:
@@ -195,8 +252,8 @@ def _redis(ctx: SourceContext) -> SnapshotSource:
     return ctx.cluster.source(ctx.config.name, _push(ctx))
 
 
-register_snapshot_source("push", _push)
-register_snapshot_source("poll", _poll)
-register_snapshot_source("shm", _shm)
+register_snapshot_source("push", _push, simulated=_unchanged)
+register_snapshot_source("poll", _poll, simulated=_unchanged)
+register_snapshot_source("shm", _shm, simulated=_unchanged)
 register_snapshot_source("metrics", _metrics, shadow=True)
-register_snapshot_source("redis", _redis, needs_cluster=True)
+register_snapshot_source("redis", _redis, needs_cluster=True, simulated=_unchanged)

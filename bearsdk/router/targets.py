@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Protocol, runtime_checkable
 
 import attrs
+
+from bearsdk import _validators as _v
 
 __all__ = ["FixedTarget", "PaperTargets", "TargetRule"]
 
@@ -20,16 +21,11 @@ class TargetRule(Protocol):
         ...
 
 
-def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
-
-
 @attrs.frozen
 class FixedTarget:
     """The same target for every request."""
 
-    seconds: float = attrs.field(validator=_positive)
+    seconds: float = attrs.field(validator=_v.positive)
 
     def target_for(self, prompt_tokens: int) -> float:
         """See :class:`TargetRule`."""

@@ -8,7 +8,7 @@
 
     [router]
     staleness = "default"           # default (overlay, fast-forward, LPS fallback) | paper
-                                    # | a table of StalenessPolicy fields over the default
+                                    # | a table of StalenessRules fields over the default
     batch_time = "profile"          # profile (each instance's eq. 12 profile) | calibrated
                                     # (fitted to the simulated instance's batches first)
     predictor = "default"           # default | alpaca-eval | path/to/predictor.bearpred
@@ -22,6 +22,8 @@
     scheduler = "vllm-v1"             # a registered name, or a spec file (relative: to here)
     params = {}                     # engine flags (default: vllm serve's on that hardware)
     ground_truth = {}               # GroundTruthParams overrides (noise_sigma, ...)
+    snapshots = "push"              # a registered snapshot source with a simulated form
+                                    # (push, poll, shm, redis deliver the engine's own)
 
     [workload]
     prompts = "tasks"               # tasks (Table 2 generator) | alpaca-eval (real data)
@@ -65,7 +67,7 @@ import attrs
 
 from bearsdk.errors import BearError
 from bearsdk.sim.run import ORACLE, ORACLE_LATENCY, InstanceSpec, PolicySpec, Scenario
-from bearsdk.state import StalenessPolicy
+from bearsdk.state import StalenessRules
 
 __all__ = [
     "BASELINES",
@@ -182,7 +184,7 @@ class SimConfig:
     name: str
     requests: int
     seeds: tuple[int, ...]
-    router_staleness: StalenessPolicy
+    router_staleness: StalenessRules
     batch_time: str
     resident_lengths: str
     predictor: str
@@ -305,6 +307,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
         "scheduler",
         "params",
         "ground_truth",
+        "snapshots",
     )
     out: list[InstanceSpec] = []
     for i, d in enumerate(raw):
@@ -344,6 +347,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
             scheduler=_scheduler(sec, _str(sec, d, "scheduler", "vllm-v1"), base),
             params=tuple(sorted(params.items())),
             ground_truth=tuple(sorted(gt.items())),
+            snapshots=_snapshots(sec, _str(sec, d, "snapshots", "push")),
         )
         try:
             spec.time_params()
@@ -490,19 +494,35 @@ def _sweeps(raw: object, policies: Sequence[PolicySpec]) -> tuple[SweepSpec, ...
     return tuple(out)
 
 
-def _staleness(v: object) -> StalenessPolicy:
+def _snapshots(sec: str, kind: str) -> str:
+    """A registered snapshot source kind with a simulated form."""
+    from bearsdk.router.sources import SourceError, get_snapshot_source
+
+    try:
+        simulated = get_snapshot_source(kind).simulated
+    except SourceError as exc:
+        raise SimConfigError(f"{sec}.{exc}") from None
+    if simulated is None:
+        raise SimConfigError(
+            f"{sec}.snapshots: source {kind!r} has no simulated form "
+            "(register it with register_snapshot_source(..., simulated=...))"
+        )
+    return kind
+
+
+def _staleness(v: object) -> StalenessRules:
     if v == "default":
-        return StalenessPolicy()
+        return StalenessRules()
     if v == "paper":
-        return StalenessPolicy.paper()
+        return StalenessRules.paper()
     if not isinstance(v, Mapping):
         raise SimConfigError(
             f"router.staleness must be 'default', 'paper' or a table of fields (got {v!r})"
         )
-    known = [f.name for f in attrs.fields(StalenessPolicy)]
+    known = [f.name for f in attrs.fields(StalenessRules)]
     _check_keys("router.staleness", v, known)
     try:
-        return StalenessPolicy(**dict(v))
+        return StalenessRules(**dict(v))
     except (TypeError, ValueError) as exc:
         raise SimConfigError(f"router.staleness: {exc}") from None
 

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from bearsdk.emulator import BatchShape, EmulatedEngine, EngineConfig, GroundTruthParams
 from bearsdk.emulator.timing import GroundTruthTimeModel
 from bearsdk.replay import ScheduledBatch, SchedulerCore, StepOutput
-from bearsdk.schedulers import Policy, compile_policy
+from bearsdk.schedulers import Policy, compile_scheduler
 from bearsdk.snapshot import NCOLS, KVState, Snapshot
 
 __all__ = ["BatchNoise", "EngineEvent", "SimEngine", "bind_engine"]
@@ -510,7 +510,7 @@ class SimEngine:
         and the noise draws the engine will use.
         """
         if self._oracle is None:
-            self._oracle = compile_policy(self.policy)
+            self._oracle = compile_scheduler(self.policy)
         rp = self._oracle
         ids, rows = self._rows(True)
         core = self._core

@@ -27,7 +27,7 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import numpy as np
@@ -42,7 +42,12 @@ from bearsdk.router.decision import Decision
 from bearsdk.schedulers import Policy
 from bearsdk.selectors import make_selector
 from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
-from bearsdk.state import StalenessPolicy
+from bearsdk.state import StalenessRules
+
+if TYPE_CHECKING:
+    from bearsdk.router.sources import SimulatedSource
+    from bearsdk.snapshot import Snapshot
+    from bearsdk.state import SnapshotCache
 
 __all__ = [
     "ORACLE",
@@ -79,6 +84,9 @@ class InstanceSpec:
         scheduler: Registered scheduler policy of the engine (and the router's).
         params: Engine flags (default: what ``vllm serve`` picks on the hardware).
         ground_truth: Overrides of :class:`~bearsdk.emulator.GroundTruthParams`.
+        snapshots: The registered snapshot source kind whose simulated form
+            delivers the engine's snapshots to the router
+            (:class:`~bearsdk.router.sources.SimulatedSource`).
     """
 
     name: str
@@ -89,6 +97,7 @@ class InstanceSpec:
     scheduler: str = "vllm-v1"
     params: tuple[tuple[str, Any], ...] = ()
     ground_truth: tuple[tuple[str, float], ...] = ()
+    snapshots: str = "push"
 
     def time_params(self) -> GroundTruthParams:
         """The ground-truth model's constants."""
@@ -210,7 +219,7 @@ class Scenario:
     staleness_s: float = 0.0
     seed: int = 0
     sweep: str = ""
-    router_staleness: StalenessPolicy = attrs.field(factory=StalenessPolicy)
+    router_staleness: StalenessRules = attrs.field(factory=StalenessRules)
     resident_lengths: str = "predicted"
 
 
@@ -324,8 +333,29 @@ def _instance_config(spec: InstanceSpec, policy_params: dict[str, Any]) -> Insta
         scheduler_params=policy_params,
         profile=None if bt is not None else (spec.profile or spec.engine),
         batch_time=bt,
-        snapshots="push",
+        snapshots=spec.snapshots,
     )
+
+
+def _simulated_source(config: InstanceConfig) -> SimulatedSource:
+    from bearsdk.router.sources import get_snapshot_source
+
+    make = get_snapshot_source(config.snapshots).simulated
+    if make is None:
+        raise ValueError(
+            f"{config.name}: snapshot source {config.snapshots!r} has no simulated form"
+        )
+    return make(config)
+
+
+def _offer_due(cache: SnapshotCache, pending: list[tuple[float, Snapshot]], now: float) -> None:
+    """Offer, in order, what a source handed over that has arrived by ``now``."""
+    due = [p for p in pending if p[0] <= now]
+    if not due:
+        return
+    pending[:] = [p for p in pending if p[0] > now]
+    for received, snap in sorted(due, key=lambda p: p[0]):
+        cache.offer(snap, received=received)
 
 
 def _router_params(spec: InstanceSpec, eng_policy: Policy) -> dict[str, Any]:
@@ -336,13 +366,13 @@ def _router_params(spec: InstanceSpec, eng_policy: Policy) -> dict[str, Any]:
     return {k: v for k, v in eng_policy.params if k in names}
 
 
-def staleness_label(policy: StalenessPolicy) -> str:
+def staleness_label(policy: StalenessRules) -> str:
     """``"default"``, ``"paper"``, or the fields that differ from the default."""
-    if policy == StalenessPolicy():
+    if policy == StalenessRules():
         return "default"
-    if policy == StalenessPolicy.paper():
+    if policy == StalenessRules.paper():
         return "paper"
-    base = attrs.asdict(StalenessPolicy())
+    base = attrs.asdict(StalenessRules())
     diff = {k: v for k, v in attrs.asdict(policy).items() if base[k] != v}
     return ",".join(f"{k}={v}" for k, v in diff.items())
 
@@ -448,7 +478,10 @@ def run_scenario(
         for e in engines:
             e.plan_captures((times - delay).tolist())
     caches = [router.cache(nm) for nm in names] if router is not None else []
+    sources = [_simulated_source(c) for c in configs] if router is not None else []
     offered = [-1] * len(engines)
+    # What each source handed over and when the router may first see it.
+    in_flight: list[list[tuple[float, Snapshot]]] = [[] for _ in engines]
     true_cost = requests.true_cost()
     utility = requests.true_accuracy - scenario.lam * true_cost
     judged = utility
@@ -488,11 +521,13 @@ def run_scenario(
         else:
             for j, e in enumerate(engines):
                 snap = e.captured(i)
-                # The engines' first (empty) snapshots, published at 0, arrive late too.
-                received = snap.time + scenario.staleness_s
-                if snap.seq != offered[j] and received <= a:
+                if snap.seq != offered[j]:
                     offered[j] = snap.seq
-                    caches[j].offer(snap, received=received)
+                    # The engines' first (empty) snapshots, published at 0, arrive late too.
+                    got = sources[j].deliver(snap, snap.time + scenario.staleness_s)
+                    if got is not None:
+                        in_flight[j].append((got[1], got[0]))
+                _offer_due(caches[j], in_flight[j], a)
             clock[0] = a
             feed.stage(requests.prediction(i))
             d = router.decide(

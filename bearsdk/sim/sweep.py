@@ -40,7 +40,7 @@ from bearsdk.sim.run import (
     arrival_times,
     run_scenario,
 )
-from bearsdk.state import StalenessPolicy
+from bearsdk.state import StalenessRules
 
 __all__ = [
     "Inputs",
@@ -278,7 +278,7 @@ def _canonical(sc: Scenario) -> Scenario:
     out = attrs.evolve(sc, sweep="")
     if sc.policy.name in _ORACLES:
         out = attrs.evolve(
-            out, staleness_s=0.0, router_staleness=StalenessPolicy.paper(), delta=None
+            out, staleness_s=0.0, router_staleness=StalenessRules.paper(), delta=None
         )
     elif sc.policy.name != "lagrangian":
         out = attrs.evolve(out, delta=None)

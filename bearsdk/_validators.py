@@ -1,0 +1,36 @@
+"""attrs validators shared by the configuration values of every subsystem.
+
+Each names the field and the value it refused, so a bad setting reads the same
+wherever it was given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+__all__ = ["count", "fraction", "positive"]
+
+
+def positive(inst: object, att: attrs.Attribute[Any], value: object) -> None:
+    """A finite number > 0 (not a bool)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
+
+
+def count(inst: object, att: attrs.Attribute[Any], value: object) -> None:
+    """An integer >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{att.name} must be an integer >= 1 (got {value!r})")
+
+
+def fraction(inst: object, att: attrs.Attribute[Any], value: object) -> None:
+    """A number in [0, 1] (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{att.name} must be in [0, 1] (got {value!r})")
