@@ -194,6 +194,9 @@ class KVBlock:
         decode_needs_free_block: A decode step requires at least one free block
             even when it needs no new one (vLLM V0, Sarathi-Serve, Vidur); vLLM V1
             checks only the blocks actually needed.
+        prefix_caching: Automatic prefix caching as vLLM V1 does it: full blocks
+            stay findable by content until evicted, admissions skip the cached
+            prefix (``docs/prefix-caching.md``); needs ``allocate = "on-demand"``.
     """
 
     block_size: Ref
@@ -203,6 +206,7 @@ class KVBlock:
     watermark: Ref = 0.0
     watermark_applies: str = "always"
     decode_needs_free_block: Ref = False
+    prefix_caching: Ref = False
 
 
 @attrs.frozen
@@ -255,6 +259,7 @@ class BoundScheduler:
     victim: str
     requeue: str
     keep_outputs: bool
+    prefix_caching: bool = False
     params: tuple[tuple[str, ParamValue], ...] = ()
 
     @property
@@ -518,6 +523,14 @@ class _Binder:
         if num_blocks and reserved >= num_blocks:
             _, rlabel = self.get("kv", "reserved_blocks", kv.reserved_blocks)
             raise self.err(rlabel, f"must be < num_blocks {num_blocks} (got {reserved})", reserved)
+        prefix_caching = self.bool_("kv", "prefix_caching", kv.prefix_caching)
+        if prefix_caching and allocate != "on-demand":
+            _, plabel = self.get("kv", "prefix_caching", kv.prefix_caching)
+            raise self.err(
+                plabel,
+                f"must be false unless kv.allocate is 'on-demand' (got true with {allocate!r})",
+                True,
+            )
         return BoundScheduler(
             name=s.name,
             token_budget=token_budget,
@@ -553,6 +566,7 @@ class _Binder:
             victim=self.choice("preemption", "victim", pr.victim, VICTIMS),
             requeue=self.choice("preemption", "requeue", pr.requeue, REQUEUE),
             keep_outputs=self.bool_("preemption", "keep_outputs", pr.keep_outputs),
+            prefix_caching=prefix_caching,
             params=tuple(sorted(self.values.items())),
         )
 

@@ -56,6 +56,7 @@ def test_vllm_v1_mirrors_engine_flags() -> None:
         "enable_chunked_prefill",
         "async_scheduling",
         "scheduler_reserve_full_isl",
+        "enable_prefix_caching",
     }
     pol = spec.bind(
         {

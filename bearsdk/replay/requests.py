@@ -65,17 +65,23 @@ class Req:
     """Mutable per-request state inside a scheduler."""
 
     __slots__ = (
+        "block_ids",
         "blocks",
+        "cached_blocks",
+        "cached_tokens",
         "computed",
         "inflight",
+        "keys",
         "limit",
         "outputs",
         "ph",
+        "preemptions",
         "prefilled",
         "prompt",
         "rid",
         "status",
         "target",
+        "tokens",
     )
 
     def __init__(self, rid: str, prompt: int, outputs: int, target: int, limit: int) -> None:
@@ -90,6 +96,16 @@ class Req:
         self.blocks = 0
         self.status = WAITING
         self.prefilled = False  # prompt (or recompute) complete since last admission
+        self.preemptions = 0
+        # Prefix caching only (kv.prefix_caching): the blocks held, first to
+        # last; how many of them are findable by content; the content keys of
+        # the full blocks known so far; the token ids the keys come from
+        # (prompt then outputs), when known; the hit of the first admission.
+        self.block_ids: list[int] = []
+        self.cached_blocks = 0
+        self.keys: list[int] = []
+        self.tokens: Sequence[int] | None = None
+        self.cached_tokens = -1
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +115,8 @@ class Req:
         c = Req.__new__(Req)
         for slot in Req.__slots__:
             setattr(c, slot, getattr(self, slot))
+        c.block_ids = list(self.block_ids)
+        c.keys = list(self.keys)
         return c
 
 

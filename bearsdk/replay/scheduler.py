@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bearsdk.replay.blocks import BlockPool, chain_keys
 from bearsdk.replay.requests import (
     FINISHED,
     RUNNING,
@@ -120,10 +121,20 @@ class SchedulerCore:
     batch ``k``. The replay drives it in zero time; the emulated engine and the
     simulator drive it in real or virtual time.
 
+    With ``kv.prefix_caching`` the scheduler keeps every block's identity in a
+    :class:`~bearsdk.replay.blocks.BlockPool` (:attr:`pool`): admissions skip
+    the cached prefix of a request's tokens, and ``free`` counts cached-but-free
+    blocks as vLLM does.
+
     Args:
         policy: The bound policy (its KV geometry is the engine's).
         free_blocks: Free KV blocks at start; default: the policy's pool less
-            reserved blocks (unlimited when the policy has no pool size).
+            reserved blocks (unlimited when the policy has no pool size). A
+            prefix-caching scheduler starts with its whole pool free and takes
+            no other count.
+
+    Raises:
+        ValueError: ``free_blocks`` given to a prefix-caching scheduler.
     """
 
     def __init__(self, policy: Policy, free_blocks: int | None = None) -> None:
@@ -135,6 +146,11 @@ class SchedulerCore:
         self.unlimited = policy.num_blocks == 0 and free_blocks is None
         if free_blocks is None:
             free_blocks = 0 if self.unlimited else policy.num_blocks - policy.reserved_blocks
+        self.pool: BlockPool | None = None
+        if policy.prefix_caching:
+            if free_blocks != (0 if self.unlimited else policy.num_blocks - policy.reserved_blocks):
+                raise ValueError("a prefix-caching scheduler starts with its whole pool free")
+            self.pool = BlockPool(policy.num_blocks, policy.reserved_blocks)
         self.free = free_blocks
         self.record = False
         self.b0 = self.b1 = self.b2 = self.b3 = self.tau = 0.0
@@ -172,6 +188,8 @@ class SchedulerCore:
             (core.running if c.status == RUNNING else core.waiting).append(c)
         core.free = prepared.free_blocks
         core.unlimited = prepared.unlimited_kv
+        # A bear.snapshot/1 state names no blocks: its replay counts them.
+        core.pool = None
         core.record = record
         core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
         core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
@@ -191,7 +209,12 @@ class SchedulerCore:
     # -- live use -------------------------------------------------------------
 
     def add_request(
-        self, rid: str, prompt_tokens: int, output_len: int, max_tokens: int | None = None
+        self,
+        rid: str,
+        prompt_tokens: int,
+        output_len: int,
+        max_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         """A request arrives at the end of the waiting queue.
 
@@ -200,9 +223,14 @@ class SchedulerCore:
             prompt_tokens: Prompt length.
             output_len: Output tokens it will produce (its true length).
             max_tokens: Its cap, known to the scheduler (``None``: none).
+            token_ids: Its prompt's token ids, optionally followed by the output
+                ids it will produce: what a prefix-caching scheduler matches
+                blocks by. Without them (or past them) its blocks hold content
+                no other request shares.
 
         Raises:
-            ValueError: Duplicate id or a bad length.
+            ValueError: Duplicate id, a bad length, or fewer ``token_ids`` than
+                ``prompt_tokens``.
         """
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already resident")
@@ -210,9 +238,15 @@ class SchedulerCore:
             raise ValueError(
                 f"prompt_tokens and output_len must be >= 1 (got {prompt_tokens}, {output_len})"
             )
+        if token_ids is not None and len(token_ids) < prompt_tokens:
+            raise ValueError(
+                f"token_ids must cover the prompt's {prompt_tokens} tokens (got {len(token_ids)})"
+            )
         r = self.geo.make_req(
             rid, prompt_tokens, 0, output_len, -1 if max_tokens is None else max_tokens
         )
+        if self.pool is not None and token_ids is not None:
+            r.tokens = token_ids
         self.requests[rid] = r
         self.waiting.append(r)
 
@@ -223,9 +257,7 @@ class SchedulerCore:
             return False
         if r.status == RUNNING:
             self.running.remove(r)
-            if not self.unlimited:
-                self.free += r.blocks
-            r.blocks = 0
+            self._free_blocks(r)
         else:
             self.waiting.remove(r)
         r.status = FINISHED
@@ -403,7 +435,11 @@ class SchedulerCore:
             need = max(cdiv(r.computed + n, self.geo.block_size) - r.blocks, 0)
             if self.unlimited or max(need, one_free) <= self.free:
                 r.blocks += need
-                if not self.unlimited:
+                if self.pool is not None:
+                    r.block_ids += self.pool.allocate(need)
+                    self.free = self.pool.num_free
+                    self._cache(r, r.computed + n)
+                elif not self.unlimited:
                     self.free -= need
                 return True, budget
             if self.p.victim == "none":
@@ -416,10 +452,45 @@ class SchedulerCore:
             if victim is r:
                 return False, budget
 
-    def preempt(self, r: Req) -> None:
-        if not self.unlimited:
+    def _free_blocks(self, r: Req) -> None:
+        if self.pool is not None:
+            # Tail first, so that a request's last blocks are evicted first.
+            self.pool.release(reversed(r.block_ids))
+            r.block_ids = []
+            r.cached_blocks = 0
+            self.free = self.pool.num_free
+        elif not self.unlimited:
             self.free += r.blocks
         r.blocks = 0
+
+    def _keys(self, r: Req, nblocks: int) -> list[int]:
+        """``r``'s content keys for its first ``nblocks`` full blocks (extended as needed)."""
+        keys = r.keys
+        if len(keys) < nblocks:
+            bs = self.geo.block_size
+            if r.tokens is not None:
+                keys = r.keys = chain_keys(r.tokens[: min(nblocks * bs, r.num_tokens)], bs, keys)
+            # Past its known ids a request's blocks hold content only it has.
+            while len(keys) < nblocks:
+                self._serial -= 1
+                keys.append(self._serial)
+        return keys
+
+    # Keys of content only one request has count down from here (content keys
+    # are non-negative).
+    _serial = 0
+
+    def _cache(self, r: Req, tokens: int) -> None:
+        """Make ``r``'s full blocks up to ``tokens`` (capped at its known tokens) findable."""
+        assert self.pool is not None
+        full = min(tokens, r.num_tokens) // self.geo.block_size
+        if full > r.cached_blocks:
+            self.pool.cache(r.block_ids, self._keys(r, full), r.cached_blocks, full)
+            r.cached_blocks = full
+
+    def preempt(self, r: Req) -> None:
+        self._free_blocks(r)
+        r.preemptions += 1
         r.computed = 0
         r.ph = 0
         r.prefilled = False
@@ -443,13 +514,21 @@ class SchedulerCore:
                 # that output lands, but it does not block the queue.
                 skipped.append(self.waiting.popleft())
                 continue
-            n = r.num_tokens
+            hit: list[int] = []
+            if self.pool is not None:
+                hit = self.pool.lookup(
+                    self._keys(r, (r.num_tokens - 1) // self.geo.block_size),
+                    (r.num_tokens - 1) // self.geo.block_size,
+                )
+            n = r.num_tokens - len(hit) * self.geo.block_size
             if 0 < cap < n:
                 n = cap
             blocked = (not p.chunked_prefill and n > budget) or not self._fits(b, min(n, budget))
             if not blocked:
                 n = min(n, budget)
-                blocked = not self.reserve(r, n)
+                blocked = not (
+                    self.reserve(r, n) if self.pool is None else self.reserve_cached(r, n, hit)
+                )
             if blocked:
                 if p.on_blocked == "stop":
                     break
@@ -490,6 +569,53 @@ class SchedulerCore:
             return False
         r.blocks = need
         self.free -= need
+        return True
+
+    def reserve_cached(self, r: Req, n: int, hit: list[int]) -> bool:
+        """:meth:`reserve` with prefix caching: ``hit`` blocks cost no compute.
+
+        A hit block that sits in the free queue still uses up a free block (it
+        leaves the queue); the whole-sequence check counts only the blocks
+        past the hit.
+        """
+        pool = self.pool
+        assert pool is not None
+        p = self.p
+        bs = self.geo.block_size
+        applies = p.watermark_applies
+        wm = (
+            self.geo.watermark_blocks
+            if applies == "always" or (applies == "while-running" and self.running)
+            else 0
+        )
+        evictable = pool.evictable(hit)
+        if p.reserve_full_sequence:
+            full = (
+                r.num_tokens
+                if not self.geo.max_model_len
+                else min(r.num_tokens, self.geo.max_model_len)
+            )
+            if max(cdiv(full, bs) - len(hit), 0) + evictable + wm > self.free:
+                return False
+        hit_tokens = len(hit) * bs
+        new = max(cdiv(hit_tokens + n, bs) - len(hit), 0)
+        if new + evictable + wm > self.free:
+            return False
+        pool.touch(hit)
+        r.block_ids = hit + pool.allocate(new)
+        r.blocks = len(r.block_ids)
+        r.cached_blocks = len(hit)
+        r.computed = hit_tokens
+        self.free = pool.num_free
+        if r.preemptions:
+            pool.preempted_queries += r.num_tokens
+            pool.preempted_hits += hit_tokens
+        else:
+            pool.queries += r.num_tokens
+            pool.hits += hit_tokens
+        if r.cached_tokens < 0:
+            r.cached_tokens = hit_tokens
+        self._cache(r, hit_tokens + n)
         return True
 
     def after_schedule(self, b: ScheduledBatch) -> None:
@@ -540,11 +666,13 @@ class SchedulerCore:
             r.outputs += got
             if async_:
                 r.ph -= got
+                if self.pool is not None:
+                    # The token just landed completes blocks that were computed
+                    # while it was in flight: they become findable now.
+                    self._cache(r, r.computed - r.inflight)
             if r.outputs >= r.target:
                 r.status = FINISHED
-                if not self.unlimited:
-                    self.free += r.blocks
-                r.blocks = 0
+                self._free_blocks(r)
                 self.running.remove(r)
                 self.requests.pop(r.rid, None)
                 out.finished.append(r.rid)

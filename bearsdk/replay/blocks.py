@@ -1,0 +1,223 @@
+"""vLLM's KV block pool with automatic prefix caching (APC), block by block.
+
+:class:`~bearsdk.replay.scheduler.SchedulerCore` counts free blocks when a
+policy does not cache prefixes. With ``kv.prefix_caching`` on it needs the
+blocks' identities instead, because requests share blocks and a freed block
+stays findable until it is reused: :class:`BlockPool` keeps them the way vLLM
+0.33's ``BlockPool`` and ``FullAttentionManager`` do (``docs/prefix-caching.md``
+gives each rule with its vLLM source line):
+
+- a free queue in eviction order: allocation takes blocks from its front (a
+  cached one loses its hash there: that is the eviction); a block whose
+  reference count drops to zero joins its back if it is cached and its front
+  if not, in the order freed (a request frees its blocks tail first);
+- a map from block content to the blocks holding it; a lookup walks a request's
+  chain of full-block keys from the start and stops at the first miss, and when
+  two blocks hold the same content the one cached first answers;
+- touching a hit takes a free block out of the free queue (it is no longer
+  free, though it costs no compute).
+
+Block content is a key: a request's chain of keys is built from its token ids
+when it has them (:func:`chain_keys`), and otherwise from keys a snapshot
+gives, extended with keys no other block can have.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+__all__ = ["KEY_MASK", "BlockPool", "chain_keys"]
+
+KEY_MASK: Final = (1 << 63) - 1
+"""Content keys are non-negative 63-bit ints; keys that stand for unknown
+content are negative, so the two never meet."""
+
+_ROOT: Final = 0x5BD1E995
+"""The parent key of a chain's first block."""
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, start: Sequence[int] = ()) -> list[int]:
+    """The content keys of every full block of ``tokens``, chained like vLLM's hashes.
+
+    Each block's key depends on its tokens and on the key of the block before
+    it, so equal keys mean equal prefixes up to that block (up to a 2^-63
+    collision chance per pair; vLLM itself compares hashes, not tokens).
+
+    Args:
+        tokens: Token ids.
+        block_size: Tokens per block.
+        start: Keys already computed for the first blocks (extended, not
+            recomputed).
+
+    Returns:
+        One key per full block.
+    """
+    keys = list(start)
+    parent = keys[-1] if keys else _ROOT
+    for i in range(len(keys), len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size]))) & KEY_MASK
+        keys.append(parent)
+    return keys
+
+
+class BlockPool:
+    """The engine's KV blocks, their reference counts, the prefix cache and the free queue.
+
+    Args:
+        num_blocks: Blocks in the pool (``0``: unlimited, nothing is ever evicted).
+        reserved: Blocks that are never free (vLLM's null block): ids below it.
+
+    Attributes:
+        queries: Tokens looked up when requests were first admitted (vLLM's
+            ``prefix_cache_queries``). hits: Tokens those lookups found.
+        preempted_queries: Tokens looked up when preempted requests were
+            admitted again. preempted_hits: Tokens those lookups found.
+    """
+
+    __slots__ = (
+        "_cached",
+        "_free",
+        "_key",
+        "_ref",
+        "_unlimited",
+        "hits",
+        "preempted_hits",
+        "preempted_queries",
+        "queries",
+    )
+
+    def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+        self._unlimited = num_blocks == 0
+        self._ref: list[int] = [0] * num_blocks
+        self._key: list[int | None] = [None] * num_blocks
+        # Free blocks in eviction order (front first); an OrderedDict gives the
+        # O(1) removal from the middle that a touched hit needs.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(reserved, num_blocks))
+        # content key -> the blocks holding it, first cached first
+        self._cached: dict[int, dict[int, None]] = {}
+        self.queries = self.hits = 0
+        self.preempted_queries = self.preempted_hits = 0
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, cached ones included (what vLLM reports as free)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose content is findable (held or free)."""
+        return sum(len(v) for v in self._cached.values())
+
+    def lookup(self, keys: Sequence[int], max_blocks: int) -> list[int]:
+        """The longest run of cached blocks matching ``keys`` from the start.
+
+        Args:
+            keys: A request's chain of content keys.
+            max_blocks: Stop after this many blocks.
+
+        Returns:
+            The block ids found (their tokens need no compute).
+        """
+        found: list[int] = []
+        cached = self._cached
+        for k in keys[:max_blocks]:
+            holders = cached.get(k)
+            if not holders:
+                break
+            found.append(next(iter(holders)))
+        return found
+
+    def evictable(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (touching them uses up free blocks)."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """A request takes a hold on hit blocks; free ones leave the free queue."""
+        ref = self._ref
+        for b in blocks:
+            if ref[b] == 0:
+                del self._free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue, evicting their content.
+
+        Raises:
+            ValueError: Fewer than ``n`` blocks are free (callers check first).
+        """
+        if n <= 0:
+            return []
+        if self._unlimited:
+            return self._mint(n)
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: {len(self._free)} free")
+        out = []
+        free, ref, key = self._free, self._ref, self._key
+        for _ in range(n):
+            b, _none = free.popitem(last=False)
+            k = key[b]
+            if k is not None:
+                self._forget(k, b)
+                key[b] = None
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def _mint(self, n: int) -> list[int]:
+        # An unlimited pool never evicts: it grows instead.
+        first = len(self._ref)
+        self._ref.extend([1] * n)
+        self._key.extend([None] * n)
+        return list(range(first, first + n))
+
+    def _forget(self, k: int, b: int) -> None:
+        holders = self._cached[k]
+        del holders[b]
+        if not holders:
+            del self._cached[k]
+
+    def cache(self, blocks: Sequence[int], keys: Sequence[int], start: int, stop: int) -> None:
+        """Make ``blocks[start:stop]`` findable under ``keys[start:stop]`` (they are full)."""
+        key, cached = self._key, self._cached
+        for i in range(start, stop):
+            b = blocks[i]
+            if key[b] is not None:
+                continue
+            k = keys[i]
+            key[b] = k
+            cached.setdefault(k, {})[b] = None
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one hold on each block and queue the blocks no one holds any more.
+
+        Cached blocks join the back of the free queue (evicted last, oldest
+        first); blocks with no content to find join its front, to be reused
+        first. Both keep the order given.
+
+        Args:
+            blocks: In eviction order (a request passes its blocks tail first,
+                so its tail is evicted first).
+        """
+        ref, free, key = self._ref, self._free, self._key
+        first = []
+        for b in blocks:
+            ref[b] -= 1
+            if ref[b] == 0:
+                if key[b] is None:
+                    first.append(b)
+                else:
+                    free[b] = None
+        for b in reversed(first):
+            free[b] = None
+            free.move_to_end(b, last=False)
+
+    def free_queue(self) -> list[tuple[int, int | None]]:
+        """``(block id, content key or None)`` for each free block, front first."""
+        return [(b, self._key[b]) for b in self._free]
+
+    def held(self, b: int) -> int:
+        """Requests holding block ``b``."""
+        return self._ref[b]
