@@ -162,3 +162,18 @@ def test_prefix_caching_needs_on_demand_allocation() -> None:
                 "kv": {"block_size": 16, "allocate": "prompt", "prefix_caching": True},
             }
         )
+
+
+def test_a_freed_block_with_no_content_to_find_is_reused_first() -> None:
+    c = core(num_blocks=12)
+    c.add_request("a", 70, 2, token_ids=ids(70))  # 4 full blocks and a partial one
+    c.process(c.schedule())
+    (r,) = c.running
+    partial = r.block_ids[-1]
+    run_to_finish(c)
+    assert c.pool is not None
+    queue = c.pool.free_queue()
+    # The partial block goes to the front, the cached ones to the back, tail first.
+    assert queue[0] == (partial, None)
+    keys = chain_keys(ids(70), BS)
+    assert [k for _, k in queue[-4:]] == keys[::-1]

@@ -40,6 +40,7 @@ __all__ = [
     "NEW_REQUEST_ID",
     "RUNNING",
     "WAITING",
+    "CachedReq",
     "PolicyGeometry",
     "Prepared",
     "Req",
@@ -65,23 +66,17 @@ class Req:
     """Mutable per-request state inside a scheduler."""
 
     __slots__ = (
-        "block_ids",
         "blocks",
-        "cached_blocks",
-        "cached_tokens",
         "computed",
         "inflight",
-        "keys",
         "limit",
         "outputs",
         "ph",
-        "preemptions",
         "prefilled",
         "prompt",
         "rid",
         "status",
         "target",
-        "tokens",
     )
 
     def __init__(self, rid: str, prompt: int, outputs: int, target: int, limit: int) -> None:
@@ -96,16 +91,6 @@ class Req:
         self.blocks = 0
         self.status = WAITING
         self.prefilled = False  # prompt (or recompute) complete since last admission
-        self.preemptions = 0
-        # Prefix caching only (kv.prefix_caching): the blocks held, first to
-        # last; how many of them are findable by content; the content keys of
-        # the full blocks known so far; the token ids the keys come from
-        # (prompt then outputs), when known; the hit of the first admission.
-        self.block_ids: list[int] = []
-        self.cached_blocks = 0
-        self.keys: list[int] = []
-        self.tokens: Sequence[int] | None = None
-        self.cached_tokens = -1
 
     @property
     def num_tokens(self) -> int:
@@ -115,9 +100,34 @@ class Req:
         c = Req.__new__(Req)
         for slot in Req.__slots__:
             setattr(c, slot, getattr(self, slot))
-        c.block_ids = list(self.block_ids)
-        c.keys = list(self.keys)
         return c
+
+
+class CachedReq(Req):
+    """A request in a prefix-caching scheduler: :class:`Req` plus its blocks' identities.
+
+    A subclass, so that schedulers without a prefix cache pay nothing for it.
+    The lists are replaced, never changed in place.
+
+    Attributes:
+        block_ids: Blocks held, first to last.
+        cached_blocks: How many of them are findable by content.
+        keys: Content keys of its full blocks known so far.
+        tokens: The token ids the keys come from (prompt, then outputs), if known.
+        cached_tokens: The prefix hit of its first admission (``-1``: not admitted).
+        preemptions: Times it was preempted.
+    """
+
+    __slots__ = ("block_ids", "cached_blocks", "cached_tokens", "keys", "preemptions", "tokens")
+
+    def __init__(self, rid: str, prompt: int, outputs: int, target: int, limit: int) -> None:
+        super().__init__(rid, prompt, outputs, target, limit)
+        self.block_ids: list[int] = []
+        self.cached_blocks = 0
+        self.keys: list[int] = []
+        self.tokens: Sequence[int] | None = None
+        self.cached_tokens = -1
+        self.preemptions = 0
 
 
 class Prepared:
@@ -158,14 +168,20 @@ class PolicyGeometry:
         self.depth = 2 if policy.async_scheduling else 1
 
     def make_req(
-        self, rid: str, prompt: int, outputs: int, output_len: int, max_tokens: int
+        self,
+        rid: str,
+        prompt: int,
+        outputs: int,
+        output_len: int,
+        max_tokens: int,
+        cls: type[Req] = Req,
     ) -> Req:
         """A request's state with its output limit and target resolved."""
         limit = max_tokens if max_tokens > 0 else UNCAPPED
         if self.max_model_len > 0:
             limit = min(limit, self.max_model_len - prompt)
         target = max(min(output_len, limit), outputs + 1)
-        return Req(rid, prompt, outputs, target, limit)
+        return cls(rid, prompt, outputs, target, limit)
 
     def reserve_tokens(self, r: Req) -> int:
         """Tokens whose blocks an admission reserves, by allocation mode."""

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from bearsdk.replay.blocks import BlockPool, chain_keys
 from bearsdk.replay.requests import (
     FINISHED,
     RUNNING,
     WAITING,
+    CachedReq,
     PolicyGeometry,
     Prepared,
     Req,
@@ -242,11 +243,14 @@ class SchedulerCore:
             raise ValueError(
                 f"token_ids must cover the prompt's {prompt_tokens} tokens (got {len(token_ids)})"
             )
-        r = self.geo.make_req(
-            rid, prompt_tokens, 0, output_len, -1 if max_tokens is None else max_tokens
-        )
-        if self.pool is not None and token_ids is not None:
-            r.tokens = token_ids
+        limit = -1 if max_tokens is None else max_tokens
+        if self.pool is None:
+            r = self.geo.make_req(rid, prompt_tokens, 0, output_len, limit)
+        else:
+            r = c = cast(
+                CachedReq, self.geo.make_req(rid, prompt_tokens, 0, output_len, limit, CachedReq)
+            )
+            c.tokens = token_ids
         self.requests[rid] = r
         self.waiting.append(r)
 
@@ -436,9 +440,10 @@ class SchedulerCore:
             if self.unlimited or max(need, one_free) <= self.free:
                 r.blocks += need
                 if self.pool is not None:
-                    r.block_ids += self.pool.allocate(need)
+                    c = cast(CachedReq, r)
+                    c.block_ids = c.block_ids + self.pool.allocate(need)
                     self.free = self.pool.num_free
-                    self._cache(r, r.computed + n)
+                    self._cache(c, r.computed + n)
                 elif not self.unlimited:
                     self.free -= need
                 return True, budget
@@ -454,33 +459,37 @@ class SchedulerCore:
 
     def _free_blocks(self, r: Req) -> None:
         if self.pool is not None:
+            c = cast(CachedReq, r)
             # Tail first, so that a request's last blocks are evicted first.
-            self.pool.release(reversed(r.block_ids))
-            r.block_ids = []
-            r.cached_blocks = 0
+            self.pool.release(reversed(c.block_ids))
+            c.block_ids = []
+            c.cached_blocks = 0
             self.free = self.pool.num_free
         elif not self.unlimited:
             self.free += r.blocks
         r.blocks = 0
 
-    def _keys(self, r: Req, nblocks: int) -> list[int]:
+    def _keys(self, r: CachedReq, nblocks: int) -> list[int]:
         """``r``'s content keys for its first ``nblocks`` full blocks (extended as needed)."""
         keys = r.keys
         if len(keys) < nblocks:
             bs = self.geo.block_size
             if r.tokens is not None:
-                keys = r.keys = chain_keys(r.tokens[: min(nblocks * bs, r.num_tokens)], bs, keys)
+                keys = chain_keys(r.tokens[: min(nblocks * bs, r.num_tokens)], bs, keys)
+            else:
+                keys = list(keys)
             # Past its known ids a request's blocks hold content only it has.
             while len(keys) < nblocks:
                 self._serial -= 1
                 keys.append(self._serial)
+            r.keys = keys
         return keys
 
     # Keys of content only one request has count down from here (content keys
     # are non-negative).
     _serial = 0
 
-    def _cache(self, r: Req, tokens: int) -> None:
+    def _cache(self, r: CachedReq, tokens: int) -> None:
         """Make ``r``'s full blocks up to ``tokens`` (capped at its known tokens) findable."""
         assert self.pool is not None
         full = min(tokens, r.num_tokens) // self.geo.block_size
@@ -490,7 +499,8 @@ class SchedulerCore:
 
     def preempt(self, r: Req) -> None:
         self._free_blocks(r)
-        r.preemptions += 1
+        if self.pool is not None:
+            cast(CachedReq, r).preemptions += 1
         r.computed = 0
         r.ph = 0
         r.prefilled = False
@@ -516,10 +526,9 @@ class SchedulerCore:
                 continue
             hit: list[int] = []
             if self.pool is not None:
-                hit = self.pool.lookup(
-                    self._keys(r, (r.num_tokens - 1) // self.geo.block_size),
-                    (r.num_tokens - 1) // self.geo.block_size,
-                )
+                # The last token is always computed (its logits are needed).
+                most = (r.num_tokens - 1) // self.geo.block_size
+                hit = self.pool.lookup(self._keys(cast(CachedReq, r), most), most)
             n = r.num_tokens - len(hit) * self.geo.block_size
             if 0 < cap < n:
                 n = cap
@@ -527,7 +536,9 @@ class SchedulerCore:
             if not blocked:
                 n = min(n, budget)
                 blocked = not (
-                    self.reserve(r, n) if self.pool is None else self.reserve_cached(r, n, hit)
+                    self.reserve(r, n)
+                    if self.pool is None
+                    else self.reserve_cached(cast(CachedReq, r), n, hit)
                 )
             if blocked:
                 if p.on_blocked == "stop":
@@ -571,7 +582,7 @@ class SchedulerCore:
         self.free -= need
         return True
 
-    def reserve_cached(self, r: Req, n: int, hit: list[int]) -> bool:
+    def reserve_cached(self, r: CachedReq, n: int, hit: list[int]) -> bool:
         """:meth:`reserve` with prefix caching: ``hit`` blocks cost no compute.
 
         A hit block that sits in the free queue still uses up a free block (it
@@ -669,7 +680,7 @@ class SchedulerCore:
                 if self.pool is not None:
                     # The token just landed completes blocks that were computed
                     # while it was in flight: they become findable now.
-                    self._cache(r, r.computed - r.inflight)
+                    self._cache(cast(CachedReq, r), r.computed - r.inflight)
             if r.outputs >= r.target:
                 r.status = FINISHED
                 self._free_blocks(r)

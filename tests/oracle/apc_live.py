@@ -68,6 +68,7 @@ class LiveDriver:
         self.first_token: dict[str, int] = {}
         self.queue: list[tuple[Any, dict[str, Any]]] = []
         self.step = 0
+        self.preempted: set[str] = set()
 
     def _arrive(self) -> None:
         while self.timed and self.timed[0][0] <= self.step:
@@ -102,8 +103,9 @@ class LiveDriver:
                 raise RuntimeError("max_calls reached")
             self._arrive()
             if core.has_work():
-                waiting = {r.rid: r.preemptions > 0 for r in core.waiting}
+                waiting = {r.rid: r.rid in self.preempted for r in core.waiting}
                 b = core.schedule()
+                self.preempted.update(b.preempted)
                 sched = b.tokens
                 admitted = {
                     r.rid: {"computed": r.computed - n, "resumed": waiting[r.rid]}

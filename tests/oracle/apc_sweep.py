@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = CONFIGS[cname]
                 try:
                     res = apc_drive.Driver(cfg, w).run()
-                except RuntimeError as e:
+                except (RuntimeError, ValueError) as e:
                     # vLLM itself never finishes it (a prompt larger than the
                     # pool waits forever): nothing to compare.
                     print(f"skip {wname}@{cname}: {e}", flush=True)
