@@ -173,8 +173,8 @@ def apc_drive_defaults() -> dict[str, Any]:
     }
 
 
-def write_fixture(cases: list[dict[str, Any]], out: str, per_config: int) -> int:
-    """Keep ``per_config`` cases of each config, compactly, gzipped (for CI).
+def write_fixture(cases: list[dict[str, Any]], out: str, per_kind: int) -> int:
+    """Keep ``per_kind`` cases of each workload kind under each config, gzipped (for CI).
 
     Each workload is written once (a line ``{"workload": name, "requests": ...}``)
     and each case names its workload and keeps only what :func:`compare` reads.
@@ -184,9 +184,10 @@ def write_fixture(cases: list[dict[str, Any]], out: str, per_config: int) -> int
     lines = []
     for case in cases:
         wname, cname = case["name"].rsplit("@", 1)
-        if kept.get(cname, 0) >= per_config:
+        slot = f"{wname.split('/')[0]}@{cname}"
+        if kept.get(slot, 0) >= per_kind:
             continue
-        kept[cname] = kept.get(cname, 0) + 1
+        kept[slot] = kept.get(slot, 0) + 1
         workloads.setdefault(wname, case["workload"])
         trace = [
             {
@@ -236,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", help="the workload of a single apc_drive result")
     ap.add_argument("--quiet", action="store_true", help="print failures and the summary only")
     ap.add_argument("--write-fixture", metavar="OUT.jsonl.gz", help="also keep a sample for CI")
-    ap.add_argument("--per-config", type=int, default=12, help="cases per config in the sample")
+    ap.add_argument(
+        "--per-kind", type=int, default=3, help="cases per workload kind and config in the sample"
+    )
     a = ap.parse_args(argv)
     if a.result.endswith(".gz"):
         cases = read_fixture(a.result)
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16s} {ok}/{total}")
     print(f"{len(cases) - bad}/{len(cases)} cases identical step by step")
     if a.write_fixture and not bad:
-        n = write_fixture(cases, a.write_fixture, a.per_config)
+        n = write_fixture(cases, a.write_fixture, a.per_kind)
         print(f"kept {n} cases in {a.write_fixture}")
     return 1 if bad else 0
 
