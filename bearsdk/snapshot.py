@@ -32,6 +32,8 @@ import orjson
 
 from bearsdk import _twins
 from bearsdk.errors import SnapshotError, short_repr
+from bearsdk.prefix_cache import REQUEST_FIELDS as _CACHE_FIELDS
+from bearsdk.prefix_cache import PrefixCacheState, prefix_cache_from_dict
 
 __all__ = [
     "COLUMNS",
@@ -109,7 +111,7 @@ parsing 2 MiB costs a few ms, where the 16 MiB the transports used to take cost
 _STATES: Final = {"running": STATE_RUNNING, "waiting": STATE_WAITING}
 _REQUEST_REQUIRED: Final = ("id", "state", "prompt_tokens", "computed_tokens", "output_tokens")
 _REQUEST_OPTIONAL: Final = ("max_tokens", "output_len", "placeholders")
-_REQUEST_FIELDS: Final = frozenset(_REQUEST_REQUIRED + _REQUEST_OPTIONAL)
+_REQUEST_FIELDS: Final = frozenset(_REQUEST_REQUIRED + _REQUEST_OPTIONAL + _CACHE_FIELDS)
 # A tuple, not a set: which missing field an error names must not depend on
 # the hash seed.
 _KV_FIELDS: Final = ("block_size", "num_blocks", "free_blocks")
@@ -196,6 +198,8 @@ class Snapshot:
         inflight_remaining_s: Time until the batch executing at capture completes.
         epoch: Identifies one run of the engine process (``docs/protocol.md``): a
             new epoch means the engine restarted and its ``seq`` started over.
+        prefix_cache: The blocks and who holds them, from an engine that caches
+            prefixes (:mod:`bearsdk.prefix_cache`); ``None`` for a plain snapshot.
     """
 
     instance: str
@@ -206,6 +210,7 @@ class Snapshot:
     table: npt.NDArray[np.int64] = attrs.field(converter=_freeze_table)
     inflight_remaining_s: float | None = None
     epoch: str | None = None
+    prefix_cache: PrefixCacheState | None = None
 
     @property
     def num_running(self) -> int:
@@ -249,6 +254,11 @@ class Snapshot:
         if self.kv is not None:
             d["kv"] = attrs.asdict(self.kv)
         d["requests"] = [r.to_dict() for r in self.requests()]
+        pc = self.prefix_cache
+        if pc is not None:
+            d["kv"]["prefix_cache"] = pc.to_dict()
+            for i, r in enumerate(d["requests"]):
+                r.update(pc.request_fields(i))
         if self.inflight_remaining_s is not None:
             d["inflight"] = {"remaining_s": self.inflight_remaining_s}
         if self.epoch is not None:
@@ -336,7 +346,7 @@ def _kv(v: object) -> KVState:
     if not isinstance(v, Mapping):
         raise SnapshotError("kv", f"must be an object (got {short_repr(v)})", v)
     for key in v:
-        if key not in _KV_FIELDS:
+        if key not in _KV_FIELDS and key != "prefix_cache":
             raise SnapshotError(
                 f"kv.{_key(key)}", f"is not a known field (got {short_repr(v[key])})", v[key]
             )
@@ -497,7 +507,8 @@ def snapshot_from_dict(doc: object) -> Snapshot:
         ids.append(rid)
         rows.append(row)
     table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
-    if kv is not None:
+    pc = _prefix_cache(doc["kv"] if kv is not None else None, kv, reqs, rows)
+    if kv is not None and pc is None:
         held = sum(-(-row[COL_COMPUTED] // kv.block_size) for row in rows)
         if held > kv.num_blocks:
             raise SnapshotError(
@@ -515,6 +526,32 @@ def snapshot_from_dict(doc: object) -> Snapshot:
         table=table,
         inflight_remaining_s=remaining,
         epoch=epoch,
+        prefix_cache=pc,
+    )
+
+
+def _prefix_cache(
+    raw_kv: Mapping[str, Any] | None,
+    kv: KVState | None,
+    reqs: Sequence[Any],
+    rows: list[list[int]],
+) -> PrefixCacheState | None:
+    """The validated ``kv.prefix_cache`` (None without one); it checks held blocks exactly."""
+    if kv is None or raw_kv is None or raw_kv.get("prefix_cache") is None:
+        for i, r in enumerate(reqs):
+            for key in _CACHE_FIELDS:
+                if key in r:
+                    raise SnapshotError(
+                        f"requests[{i}].{key}", "needs kv.prefix_cache (got none)", r[key]
+                    )
+        return None
+    return prefix_cache_from_dict(
+        raw_kv["prefix_cache"],
+        block_size=kv.block_size,
+        num_blocks=kv.num_blocks,
+        free_blocks=kv.free_blocks,
+        requests=reqs,
+        rows=rows,
     )
 
 

@@ -12,12 +12,14 @@ compiled loop implements the same steps at C speed (aggregating plain decodes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from bearsdk.replay.requests import NEW_REQUEST_ID, PolicyGeometry, Prepared
+from bearsdk.errors import short_repr
+from bearsdk.replay.blocks import KEY_MASK
+from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry, Prepared
 from bearsdk.replay.scheduler import SchedulerCore
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY,
@@ -29,11 +31,18 @@ from bearsdk.replay.types import (
 if TYPE_CHECKING:
     # Typing only: the scheduler package compiles specs for the replay, not
     # the reverse.
+    from bearsdk.prefix_cache import PrefixCacheState
     from bearsdk.schedulers.spec import Policy
 
 __all__ = ["IMPLEMENTATION", "Prepared", "Replayer"]
 
 IMPLEMENTATION = "python"
+
+
+def _content_key(k: object, i: int) -> int:
+    if type(k) is not int or not 0 <= k <= KEY_MASK:
+        raise ValueError(f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
+    return k
 
 
 class Replayer:
@@ -54,6 +63,7 @@ class Replayer:
         table: npt.NDArray[np.int64],
         free_blocks: int = -1,
         ids: Sequence[str] | None = None,
+        cache: PrefixCacheState | None = None,
     ) -> Prepared:
         """Turn a snapshot table (output lengths resolved) into replay state.
 
@@ -63,6 +73,8 @@ class Replayer:
             free_blocks: Free KV blocks the engine reported; ``-1`` to derive them
                 from the policy's pool size and the running requests' blocks.
             ids: Request ids (for step-by-step records); defaults to row numbers.
+            cache: The snapshot's ``prefix_cache``: a prefix-caching policy then
+                replays its blocks one by one (``docs/prefix-caching.md``).
 
         Returns:
             Replay-ready state.
@@ -70,7 +82,7 @@ class Replayer:
         Raises:
             ValueError: An output length is missing or the table is malformed.
         """
-        return self._geo.prepare(table, free_blocks, ids)
+        return self._geo.prepare(table, free_blocks, ids, cache)
 
     def ttft(
         self,
@@ -79,10 +91,16 @@ class Replayer:
         output_len: int,
         coeffs: Sequence[float],
         max_tokens: int = -1,
+        prefix_keys: Sequence[int] | None = None,
     ) -> float:
         """Return only the predicted time to first token (``inf`` when never)."""
         return self.replay(
-            prepared, prompt_tokens, output_len, coeffs, max_tokens=max_tokens
+            prepared,
+            prompt_tokens,
+            output_len,
+            coeffs,
+            max_tokens=max_tokens,
+            prefix_keys=prefix_keys,
         ).ttft_s
 
     def replay(
@@ -95,6 +113,7 @@ class Replayer:
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
         max_work: int | None = None,
+        prefix_keys: Sequence[int] | None = None,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token.
 
@@ -111,6 +130,10 @@ class Replayer:
             max_work: Give up after this much work: one unit per batch and per
                 request in it or in the running list (default
                 :data:`~bearsdk.replay.types.MAX_REPLAY_WORK_PY`).
+            prefix_keys: Content keys of the new request's full prompt blocks
+                (:func:`~bearsdk.replay.blocks.chain_keys`, or the engine's as
+                ``kv.prefix_cache`` names them): with a prepared block pool, its
+                admission hits whatever of them is cached by then.
 
         Returns:
             The first-token batch, the summed batch times, and optionally the
@@ -125,6 +148,20 @@ class Replayer:
         work = MAX_REPLAY_WORK_PY if max_work is None else max_work
         work = check_tokens(work, "max_work", -MAX_TOKENS)
         run = SchedulerCore.from_prepared(self._geo, prepared, record, coeffs)
-        new = self._geo.make_req(NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens)
+        if run.pool is None:
+            new = self._geo.make_req(
+                NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens
+            )
+        else:
+            c = cast(
+                CachedReq,
+                self._geo.make_req(
+                    NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens, CachedReq
+                ),
+            )
+            c.keys = [_content_key(k, i) for i, k in enumerate(prefix_keys or ())][
+                : prompt_tokens // self._geo.block_size
+            ]
+            new = c
         run.waiting.append(new)
         return run.go(new, max_batches, work)

@@ -214,6 +214,48 @@ class BlockPool:
             free[b] = None
             free.move_to_end(b, last=False)
 
+    @classmethod
+    def restore(
+        cls, keys: Sequence[int | None], refs: Sequence[int], free: Sequence[int]
+    ) -> BlockPool:
+        """A pool in a given state (a snapshot's), blocks ``0..len(keys) - 1``.
+
+        Args:
+            keys: Each block's content key (``None``: no findable content); blocks
+                with equal keys are found in id order.
+            refs: Each block's holders.
+            free: The free queue, front first (exactly the blocks with no holder).
+        """
+        pool = cls(0)
+        pool._unlimited = False
+        pool._ref = list(refs)
+        pool._key = list(keys)
+        pool._free = OrderedDict.fromkeys(free)
+        for b, k in enumerate(keys):
+            if k is not None:
+                pool._cached.setdefault(k, {})[b] = None
+        return pool
+
+    def copy(self) -> BlockPool:
+        """An independent copy (a replay runs on one, the prepared state keeps the other)."""
+        c = BlockPool.__new__(BlockPool)
+        c._unlimited = self._unlimited
+        c._ref = list(self._ref)
+        c._key = list(self._key)
+        c._free = self._free.copy()
+        c._cached = {k: v.copy() for k, v in self._cached.items()}
+        c.queries, c.hits = self.queries, self.hits
+        c.preempted_queries, c.preempted_hits = self.preempted_queries, self.preempted_hits
+        return c
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """``(block id, content key)`` of every findable block; equal keys first cached first."""
+        return [(b, k) for k, holders in self._cached.items() for b in holders]
+
+    def key_of(self, b: int) -> int | None:
+        """Block ``b``'s content key (``None``: nothing findable)."""
+        return self._key[b]
+
     def free_queue(self) -> list[tuple[int, int | None]]:
         """``(block id, content key or None)`` for each free block, front first."""
         return [(b, self._key[b]) for b in self._free]

@@ -12,11 +12,12 @@ own representation of all of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.replay.prefix import restore
 from bearsdk.replay.types import check_policy, check_running, check_table
 from bearsdk.snapshot import (
     COL_COMPUTED,
@@ -33,6 +34,8 @@ from bearsdk.snapshot import (
 if TYPE_CHECKING:
     # Typing only: the scheduler package compiles specs for the replay, not
     # the reverse.
+    from bearsdk.prefix_cache import PrefixCacheState
+    from bearsdk.replay.blocks import BlockPool
     from bearsdk.schedulers.spec import Policy
 
 __all__ = [
@@ -129,19 +132,39 @@ class CachedReq(Req):
         self.cached_tokens = -1
         self.preemptions = 0
 
+    def clone(self) -> CachedReq:
+        c = CachedReq.__new__(CachedReq)
+        for slot in _CACHED_SLOTS:
+            setattr(c, slot, getattr(self, slot))
+        return c
+
+
+_CACHED_SLOTS: Final = Req.__slots__ + CachedReq.__slots__
+
 
 class Prepared:
-    """A snapshot's requests, ready to run (built once, replayed many times)."""
+    """A snapshot's requests, ready to run (built once, replayed many times).
 
-    __slots__ = ("free_blocks", "has_inflight", "reqs", "unlimited_kv")
+    ``pool`` is the rebuilt block pool of a snapshot with ``kv.prefix_cache``
+    replayed by a prefix-caching policy (its requests are then
+    :class:`CachedReq`), else ``None``.
+    """
+
+    __slots__ = ("free_blocks", "has_inflight", "pool", "reqs", "unlimited_kv")
 
     def __init__(
-        self, reqs: list[Req], free_blocks: int, unlimited_kv: bool, has_inflight: bool
+        self,
+        reqs: list[Req],
+        free_blocks: int,
+        unlimited_kv: bool,
+        has_inflight: bool,
+        pool: BlockPool | None = None,
     ) -> None:
         self.reqs = reqs
         self.free_blocks = free_blocks
         self.unlimited_kv = unlimited_kv
         self.has_inflight = has_inflight
+        self.pool = pool
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -209,6 +232,7 @@ class PolicyGeometry:
         table: npt.NDArray[np.int64],
         free_blocks: int = -1,
         ids: Sequence[str] | None = None,
+        cache: PrefixCacheState | None = None,
     ) -> Prepared:
         """Turn a snapshot table (output lengths resolved) into scheduler state.
 
@@ -218,6 +242,9 @@ class PolicyGeometry:
             free_blocks: Free KV blocks the engine reported; ``-1`` to derive them
                 from the policy's pool size and the running requests' blocks.
             ids: Request ids (for step-by-step records); defaults to row numbers.
+            cache: The snapshot's ``kv.prefix_cache`` (validated with the same
+                table); a prefix-caching policy then replays block by block, and
+                the blocks it names replace the counts.
 
         Returns:
             Replay-ready state.
@@ -233,21 +260,40 @@ class PolicyGeometry:
         reqs: list[Req] = []
         held = freed = 0
         has_inflight = False
+        restored = None
+        if cache is not None and self.policy.prefix_caching:
+            if len(cache.blocks) != len(tab):
+                raise ValueError(
+                    f"cache describes {len(cache.blocks)} requests, the table {len(tab)}"
+                )
+            restored = restore(cache)
         for i, row in enumerate(tab.tolist()):
             rid = ids[i] if ids is not None else f"#{i}"
             if row[COL_OUTPUT_LEN] < 1:
                 got = row[COL_OUTPUT_LEN]
                 raise ValueError(f"row {i}: output_len must be resolved before replay (got {got})")
             r = self.make_req(
-                rid, row[COL_PROMPT], row[COL_OUTPUT], row[COL_OUTPUT_LEN], row[COL_MAX_TOKENS]
+                rid,
+                row[COL_PROMPT],
+                row[COL_OUTPUT],
+                row[COL_OUTPUT_LEN],
+                row[COL_MAX_TOKENS],
+                Req if restored is None else CachedReq,
             )
+            if restored is not None:
+                c = cast(CachedReq, r)
+                c.block_ids = restored.block_ids[i]
+                c.cached_blocks = restored.cached[i]
+                c.keys = restored.keys[i]
+                # Stats only: a waiting request with outputs was preempted.
+                c.preemptions = int(row[COL_STATE] != STATE_RUNNING and r.outputs > 0)
             if row[COL_STATE] == STATE_RUNNING:
                 r.status = RUNNING
                 r.computed = row[COL_COMPUTED]
                 r.ph = row[COL_PLACEHOLDERS]
                 need = r.num_tokens + r.ph - r.computed
                 r.prefilled = r.outputs + r.ph >= 1 and need <= 1
-                r.blocks = self.held_blocks(r)
+                r.blocks = self.held_blocks(r) if restored is None else len(restored.block_ids[i])
                 held += r.blocks
                 if r.ph and self.depth == 1:
                     # A synchronous engine has processed its outputs before it
@@ -256,9 +302,14 @@ class PolicyGeometry:
                     r.ph = 0
                     if r.outputs >= r.target:
                         freed += r.blocks
+                        if restored is not None:
+                            restored.pool.release(reversed(restored.block_ids[i]))
                         continue
                 has_inflight = has_inflight or r.ph > 0
             reqs.append(r)
+        if restored is not None:
+            pool = restored.pool
+            return Prepared(reqs, pool.num_free, False, has_inflight, pool)
         p = self.policy
         unlimited = p.num_blocks == 0 and free_blocks < 0
         if free_blocks < 0:

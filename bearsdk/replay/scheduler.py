@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from bearsdk.replay.blocks import BlockPool, chain_keys
+from bearsdk.replay.prefix import export as export_blocks
 from bearsdk.replay.requests import (
     FINISHED,
     RUNNING,
@@ -189,8 +190,8 @@ class SchedulerCore:
             (core.running if c.status == RUNNING else core.waiting).append(c)
         core.free = prepared.free_blocks
         core.unlimited = prepared.unlimited_kv
-        # A bear.snapshot/1 state names no blocks: its replay counts them.
-        core.pool = None
+        # A plain bear.snapshot/1 names no blocks: its replay counts them.
+        core.pool = None if prepared.pool is None else prepared.pool.copy()
         core.record = record
         core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
         core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
@@ -313,7 +314,24 @@ class SchedulerCore:
                 "num_blocks": self.p.num_blocks,
                 "free_blocks": self.free,
             }
+            if self.pool is not None:
+                self._export_blocks(doc)
         return doc
+
+    def _export_blocks(self, doc: dict[str, Any]) -> None:
+        """Add the ``kv.prefix_cache`` extension (:mod:`bearsdk.prefix_cache`)."""
+        assert self.pool is not None
+        bs = self.geo.block_size
+        residents = []
+        for r in (*self.running, *self.waiting):
+            c = cast(CachedReq, r)
+            held = c.block_ids if r.status == RUNNING else ()
+            residents.append(
+                (held, c.cached_blocks if held else 0, self._keys(c, r.num_tokens // bs))
+            )
+        doc["kv"]["prefix_cache"], fields = export_blocks(self.pool, residents)
+        for d, f in zip(doc["requests"], fields, strict=True):
+            d.update(f)
 
     def _snap_req(self, r: Req, state: str, with_len: bool) -> dict[str, Any]:
         d: dict[str, Any] = {

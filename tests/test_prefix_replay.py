@@ -1,0 +1,248 @@
+"""A prefix-caching engine's snapshot, replayed, predicts the engine's own future.
+
+The live scheduler (exact against vLLM 0.33 with prefix caching: test_apc_oracle_cases.py)
+exports its block pool as ``kv.prefix_cache``; both decoders must accept it alike, and the
+replay of it must form the engine's next batches, up to the new request's first token, exactly
+(hits that grow or shrink before admission, evictions, preemptions included).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bearsdk
+from bearsdk.errors import SnapshotError
+from bearsdk.replay import ScheduledBatch, SchedulerCore
+from bearsdk.replay._replay_py import Replayer as PyReplayer
+from bearsdk.replay.blocks import chain_keys
+from bearsdk.snapshot import decoders, snapshot_from_dict
+
+BS = 16
+POLICIES = {
+    "sync-scarce": {"num_gpu_blocks": 60, "async_scheduling": False},
+    "async-scarce": {"num_gpu_blocks": 70, "async_scheduling": True},
+    "sync-lpt-wm": {
+        "num_gpu_blocks": 120,
+        "async_scheduling": False,
+        "long_prefill_token_threshold": 48,
+        "watermark": 0.05,
+    },
+    "async-roomy": {"num_gpu_blocks": 400, "async_scheduling": True},
+}
+
+
+def policy(name: str) -> bearsdk.BoundScheduler:
+    return bearsdk.bind_scheduler(
+        "vllm-v1",
+        {
+            "block_size": BS,
+            "max_num_batched_tokens": 128,
+            "max_num_seqs": 6,
+            "max_model_len": 2048,
+            "enable_prefix_caching": True,
+            **POLICIES[name],
+        },
+    )
+
+
+class Engine:
+    """A SchedulerCore driven as vLLM's EngineCore loop drives its scheduler."""
+
+    def __init__(self, core: SchedulerCore, depth: int) -> None:
+        self.core = core
+        self.depth = depth
+        self.queue: deque[ScheduledBatch] = deque()
+        self.step = 0
+        self.first_token: dict[str, int] = {}
+        self.batches: list[dict[str, int]] = []
+
+    def tick(self) -> None:
+        b = self.core.schedule()
+        if b:
+            self.step += 1
+            self.batches.append(b.tokens)
+            for rid in b.sampling:
+                self.first_token.setdefault(rid, self.step)
+        self.queue.append(b)
+        if len(self.queue) < self.depth:
+            return
+        self.core.process(self.queue.popleft())
+
+
+PREFIXES = [[1000 + 97 * p + i for i in range(400)] for p in range(3)]
+
+
+def tokens(rng: random.Random, prefix: int, shared: int, total: int) -> list[int]:
+    head = PREFIXES[prefix][: min(shared, total)]
+    return head + [rng.randrange(5000, 100_000) for _ in range(total - len(head))]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(POLICIES)),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 8),  # arrival step
+            st.integers(0, 2),  # which shared prefix
+            st.integers(0, 400),  # how much of it
+            st.integers(1, 300),  # prompt length
+            st.integers(1, 40),  # output length
+        ),
+        max_size=14,
+    ),
+    at=st.integers(0, 40),
+    new=st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400)),
+    seed=st.integers(0, 2**16),
+)
+def test_replay_of_a_prefix_cache_snapshot_predicts_the_engine(
+    name: str,
+    arrivals: list[tuple[int, int, int, int, int]],
+    at: int,
+    new: tuple[int, int, int],
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    pol = policy(name)
+    eng = Engine(SchedulerCore(pol), 2 if pol.async_scheduling else 1)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i = 0
+    for step in range(at):
+        while i < len(pending) and pending[i][0] <= step:
+            _, pfx, shared, plen, out = pending[i]
+            ids = tokens(rng, pfx, shared, plen) + [
+                rng.randrange(5000, 100_000) for _ in range(out)
+            ]
+            eng.core.add_request(f"r{i}", plen, out, out, token_ids=ids)
+            i += 1
+        if eng.core.has_work() or eng.queue:
+            eng.tick()
+    doc = eng.core.snapshot(seq=eng.step, output_len=True)
+    snap = snapshot_from_dict(doc)
+    raw = orjson.dumps(doc)
+    for decode in decoders().values():
+        assert decode(raw).to_dict() == snap.to_dict()
+    assert snap.prefix_cache is not None
+    assert snapshot_from_dict(snap.to_dict()).to_dict() == snap.to_dict()
+
+    pfx, shared, plen = new
+    prompt = tokens(rng, pfx, shared, plen)
+    step0 = eng.step
+    eng.core.add_request("new", plen, 3, 3, token_ids=[*prompt, 7, 7, 7])
+    for _ in range(5000):
+        if "new" in eng.first_token:
+            break
+        eng.tick()
+    assert "new" in eng.first_token
+    want = eng.batches[step0 : eng.first_token["new"]]
+
+    rp = PyReplayer(pol)
+    assert snap.kv is not None
+    prepared = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    res = rp.replay(
+        prepared, plen, 3, record=True, max_tokens=3, prefix_keys=chain_keys(prompt, BS)
+    )
+    assert res.batches is not None
+    got = [dict(b.tokens_by_request) for b in res.batches]
+    assert [{k.replace("<new>", "new"): v for k, v in b.items()} for b in got] == want
+    assert res.first_token_batch == eng.first_token["new"] - step0
+
+
+def _apc_doc() -> dict[str, object]:
+    """Two running requests sharing two cached blocks, one free cached block."""
+    return {
+        "schema": "bear.snapshot/1",
+        "instance": "e",
+        "seq": 1,
+        "time": 0.0,
+        "kv": {
+            "block_size": 16,
+            "num_blocks": 10,
+            "free_blocks": 5,
+            "prefix_cache": {"keys": [11, 12, 13, 99], "cached": 3, "free": [-4, 2]},
+        },
+        "requests": [
+            {
+                "id": "a",
+                "state": "running",
+                "prompt_tokens": 40,
+                "computed_tokens": 40,
+                "output_tokens": 0,
+                "blocks": [[0, 2]],
+                "uncached_blocks": 1,
+            },
+            {
+                "id": "b",
+                "state": "running",
+                "prompt_tokens": 40,
+                "computed_tokens": 20,
+                "output_tokens": 0,
+                "blocks": [[0, 1]],
+                "uncached_blocks": 1,
+                "chain": [[1, 1]],
+            },
+            {
+                "id": "c",
+                "state": "waiting",
+                "prompt_tokens": 64,
+                "computed_tokens": 0,
+                "output_tokens": 0,
+                "chain": [[0, 2], [3, 1]],
+            },
+        ],
+    }
+
+
+def test_a_shared_block_state_is_accepted_by_both_decoders() -> None:
+    raw = orjson.dumps(_apc_doc())
+    for decode in decoders().values():
+        s = decode(raw)
+        assert s.prefix_cache is not None
+        assert s.prefix_cache.blocks == ((0, 1), (0,), ())
+        assert s.prefix_cache.chains == ((), (1,), (0, 1, 3))
+
+
+BAD = [
+    (("kv", "prefix_cache", "free"), [-5], "must hold kv.free_blocks 5 blocks (got 5)"),
+    (("kv", "prefix_cache", "free"), [-4, 1], "which is in the free queue"),
+    (("kv", "prefix_cache", "free"), [-4, 2, 2], "names cached block 2 twice"),
+    (("kv", "prefix_cache", "cached"), 4, "neither free nor held"),
+    (("kv", "prefix_cache", "keys"), [11, 12, -1, 99], "keys[2]: must be an integer"),
+    (("requests", 0, "uncached_blocks"), 0, "must make the 3 blocks its 40 computed tokens hold"),
+    (("requests", 0, "blocks"), [[0, 1], [0, 1]], "names a block twice"),
+    (("requests", 0, "blocks"), [[1, 5]], "blocks[0][1]: must be an integer in [1, 2]"),
+    (("requests", 2, "blocks"), [[0, 1]], "must be empty for a waiting request"),
+    (("requests", 2, "chain"), [[0, 4], [0, 1]], "names a block twice"),
+    (("requests", 1, "chain"), [[1, 3]], "more than its 40 tokens fill"),
+    (("kv", "num_blocks"), 7, "kv.num_blocks: is smaller than the 9 blocks held and free"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), BAD)
+def test_an_impossible_block_state_is_rejected_naming_the_field(
+    path: tuple[object, ...], value: object, message: str
+) -> None:
+    doc = _apc_doc()
+    node: object = doc
+    for k in path[:-1]:
+        node = node[k]  # type: ignore[index]
+    node[path[-1]] = value  # type: ignore[index]
+    if path == ("kv", "prefix_cache", "free") and value == [-5]:
+        # Five blocks, all uncached: cached block 2 is then neither free nor held.
+        message = "neither free nor held"
+    raw = orjson.dumps(doc)
+    for decode in decoders().values():
+        with pytest.raises(SnapshotError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            decode(raw)
+
+
+def test_block_fields_without_the_extension_are_rejected() -> None:
+    doc = _apc_doc()
+    del doc["kv"]["prefix_cache"]  # type: ignore[index]
+    with pytest.raises(SnapshotError, match=r"requests\[0\].blocks: needs kv.prefix_cache"):
+        snapshot_from_dict(doc)
