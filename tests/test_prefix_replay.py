@@ -246,3 +246,33 @@ def test_block_fields_without_the_extension_are_rejected() -> None:
     del doc["kv"]["prefix_cache"]  # type: ignore[index]
     with pytest.raises(SnapshotError, match=r"requests\[0\].blocks: needs kv.prefix_cache"):
         snapshot_from_dict(doc)
+
+
+def test_the_bea_estimator_replays_a_prefix_cache_snapshot_block_by_block() -> None:
+    from bearsdk.estimators.batch_time import BatchTimeModel
+    from bearsdk.estimators.bea import BEAEstimator
+
+    pol = policy("sync-lpt-wm")
+    eng = Engine(SchedulerCore(pol), 1)
+    shared = PREFIXES[1][:320]
+    eng.core.add_request("a", 330, 20, 20, token_ids=[*shared, *range(9000, 9030)])
+    for _ in range(8):
+        eng.tick()  # a's prompt is computed and cached; it decodes
+    snap = snapshot_from_dict(eng.core.snapshot(output_len=True))
+    assert snap.prefix_cache is not None
+    est = BEAEstimator(pol, BatchTimeModel(0.004, 2e-5, 4e-8, 1e-9))
+    prompt = [*shared, *range(20_000, 20_040)]
+    keys = chain_keys(prompt, BS)
+    hit = est.estimate(snap, len(prompt), 3, max_tokens=3, prefix_keys=keys)
+    cold = est.estimate(snap, len(prompt), 3, max_tokens=3)
+    # 320 shared tokens hit: 40 to compute instead of 360 (three 48-token chunks fewer).
+    assert hit.first_token_batch < cold.first_token_batch
+    assert hit.ttft_s < cold.ttft_s
+    prep = est.prepare(snap)
+    assert est.ttft(prep, len(prompt), 3, 3, prefix_keys=keys) == pytest.approx(hit.ttft_s)
+    # What the engine itself does with that request.
+    eng.core.add_request("new", len(prompt), 3, 3, token_ids=[*prompt, 1, 2, 3])
+    step0 = eng.step
+    while "new" not in eng.first_token:
+        eng.tick()
+    assert hit.first_token_batch == eng.first_token["new"] - step0

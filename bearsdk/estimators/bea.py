@@ -10,7 +10,7 @@ unless that is what frees the memory or the seat the new request waits for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,6 +18,7 @@ import attrs
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
+from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.replay.types import BatchRecord, StopReason
 from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
 from bearsdk.snapshot import Snapshot
@@ -60,6 +61,13 @@ class TTFTEstimate:
         flight), and the true TTFT is at least that.
         """
         return self.stop_reason is StopReason.BATCH_LIMIT
+
+
+def _prefix(prep: PreparedSnapshot, keys: Sequence[int] | None) -> dict[str, Any]:
+    """The replay's ``prefix_keys`` argument, for a state that has a block pool."""
+    if keys is None or getattr(prep.state, "pool", None) is None:
+        return {}
+    return {"prefix_keys": keys}
 
 
 @attrs.frozen(eq=False)
@@ -116,16 +124,25 @@ class BEAEstimator:
     def prepare(self, snapshot: Snapshot) -> PreparedSnapshot:
         """Resolve output lengths and build replay state for ``snapshot``.
 
-        The snapshot's KV geometry (when present) overrides the policy's.
+        The snapshot's KV geometry (when present) overrides the policy's. A
+        prefix-caching policy given a snapshot with ``kv.prefix_cache`` replays
+        its blocks one by one; the compiled loop does not model the cache yet,
+        so that replay runs in the pure-Python twin (``docs/prefix-caching.md``).
         """
         pol = self.policy
         free = -1
         if snapshot.kv is not None:
             pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
             free = snapshot.kv.free_blocks
-        replayer = compile_scheduler(pol, self.implementation)
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
-        state = replayer.prepare(table, free, snapshot.ids)
+        replayer: Replayer
+        if pol.prefix_caching and snapshot.prefix_cache is not None:
+            twin = PyReplayer(pol)
+            state: Any = twin.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
+            replayer = twin
+        else:
+            replayer = compile_scheduler(pol, self.implementation)
+            state = replayer.prepare(table, free, snapshot.ids)
         return PreparedSnapshot(snapshot, replayer, state)
 
     def estimate(
@@ -136,6 +153,7 @@ class BEAEstimator:
         *,
         max_tokens: int | None = None,
         explain: bool = False,
+        prefix_keys: Sequence[int] | None = None,
     ) -> TTFTEstimate:
         """Predict the TTFT of a new request joining the instance's waiting queue.
 
@@ -145,6 +163,9 @@ class BEAEstimator:
             output_len: Its output length if known; else predicted.
             max_tokens: Its output cap, if any.
             explain: Also return the simulated batches.
+            prefix_keys: Content keys of its full prompt blocks
+                (:func:`~bearsdk.replay.blocks.chain_keys`): with a prefix-cache
+                snapshot, its admission hits what of them is cached by then.
 
         Returns:
             The estimate.
@@ -167,6 +188,7 @@ class BEAEstimator:
             _replay_coeffs(self.batch_time),
             record=explain,
             max_tokens=-1 if max_tokens is None else max_tokens,
+            **_prefix(prep, prefix_keys),
         )
         inflight = prep.snapshot.inflight_remaining_s or 0.0
         return TTFTEstimate(
@@ -183,6 +205,7 @@ class BEAEstimator:
         prompt_tokens: int,
         output_len: int,
         max_tokens: int | None = None,
+        prefix_keys: Sequence[int] | None = None,
     ) -> float:
         """The hot path: predicted TTFT in seconds, nothing else (``inf`` when never).
 
@@ -194,6 +217,7 @@ class BEAEstimator:
             prompt_tokens: The new request's prompt length.
             output_len: Its output length (capped by ``max_tokens``).
             max_tokens: Its output cap, if any.
+            prefix_keys: Content keys of its full prompt blocks (see :meth:`estimate`).
         """
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
@@ -203,5 +227,6 @@ class BEAEstimator:
             max(1, output_len),
             self._coeffs,
             -1 if max_tokens is None else max_tokens,
+            **_prefix(prepared, prefix_keys),
         )
         return t + (prepared.snapshot.inflight_remaining_s or 0.0)
