@@ -276,3 +276,16 @@ def test_the_bea_estimator_replays_a_prefix_cache_snapshot_block_by_block() -> N
     while "new" not in eng.first_token:
         eng.tick()
     assert hit.first_token_batch == eng.first_token["new"] - step0
+
+
+def test_the_bench_scenarios_hold_shared_and_cached_blocks() -> None:
+    from bearsdk.bench.replay_apc import build_apc_scenarios
+
+    a1, a2 = build_apc_scenarios()
+    for sc in (a1, a2):
+        pc = sc.snapshot.prefix_cache
+        assert pc is not None
+        assert pc.cached > 1000
+    assert a2.snapshot.prefix_cache is not None
+    blocks = a2.snapshot.prefix_cache.blocks
+    assert sum(map(len, blocks)) > len({b for bs in blocks for b in bs}) + 1000  # shared

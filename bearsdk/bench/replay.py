@@ -16,7 +16,8 @@ S4 KV-bound
 
 Each timing is one ``Replayer.ttft`` call on a prepared snapshot (the router's
 hot path: snapshots are prepared once when they arrive). All scenarios use the
-``vllm-v1`` policy with asynchronous scheduling, its default.
+``vllm-v1`` policy with asynchronous scheduling, its default. The prefix-caching
+scenarios A1 and A2 are in :mod:`bearsdk.bench.replay_apc`.
 """
 
 from __future__ import annotations
@@ -240,6 +241,9 @@ def run(impls: Sequence[str], rounds: int) -> dict[str, Any]:
         if "cython" in entry:
             entry["meets_target"] = entry["cython"]["median_us"] <= TARGETS_US[sc.name]
         report["scenarios"][sc.name] = entry
+    from bearsdk.bench.replay_apc import run_apc
+
+    report["prefix_caching"] = run_apc(rounds)
     return report
 
 
@@ -262,6 +266,20 @@ def _main(args: argparse.Namespace) -> int:
         for impl in impls:
             line += f" {e[impl]['median_us']:>12.3f} {e[impl]['p99_us']:>12.3f}"
         print(line + f" {TARGETS_US[name]:>7}")
+    print(
+        "Prefix caching (vllm-v1, enable_prefix_caching, blocks from kv.prefix_cache; the "
+        "compiled loop does not model the cache yet): microseconds, TTFT, first-token batch"
+    )
+    for name, e in report["prefix_caching"].items():
+        print(f"{name}  {e['description']}")
+        for label in ("python", "python_counted", "cython_counted"):
+            if label in e:
+                x = e[label]
+                print(
+                    f"    {label:15s} p50 {x['median_us']:>10.3f} p99 {x['p99_us']:>10.3f}"
+                    f"  ttft {x['ttft_ms']:>9.2f} ms  batch {x['first_token_batch']}"
+                )
+        print(f"    with blocks / counted (pure twin): {e['ratio_to_counted_python']}x")
     for name, e in report["scenarios"].items():
         if "cython_custom_spec" in e:
             c = e["cython_custom_spec"]

@@ -95,8 +95,9 @@ class BlockPool:
         # Free blocks in eviction order (front first); an OrderedDict gives the
         # O(1) removal from the middle that a touched hit needs.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(reserved, num_blocks))
-        # content key -> the blocks holding it, first cached first
-        self._cached: dict[int, dict[int, None]] = {}
+        # content key -> the blocks holding it, first cached first; tuples,
+        # replaced rather than changed, so that a copy of the pool can share them
+        self._cached: dict[int, tuple[int, ...]] = {}
         self.queries = self.hits = 0
         self.preempted_queries = self.preempted_hits = 0
 
@@ -126,7 +127,7 @@ class BlockPool:
             holders = cached.get(k)
             if not holders:
                 break
-            found.append(next(iter(holders)))
+            found.append(holders[0])
         return found
 
     def evictable(self, blocks: Iterable[int]) -> int:
@@ -174,9 +175,10 @@ class BlockPool:
         return list(range(first, first + n))
 
     def _forget(self, k: int, b: int) -> None:
-        holders = self._cached[k]
-        del holders[b]
-        if not holders:
+        holders = tuple(x for x in self._cached[k] if x != b)
+        if holders:
+            self._cached[k] = holders
+        else:
             del self._cached[k]
 
     def cache(self, blocks: Sequence[int], keys: Sequence[int], start: int, stop: int) -> None:
@@ -188,7 +190,7 @@ class BlockPool:
                 continue
             k = keys[i]
             key[b] = k
-            cached.setdefault(k, {})[b] = None
+            cached[k] = (*cached.get(k, ()), b)
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one hold on each block and queue the blocks no one holds any more.
@@ -233,7 +235,7 @@ class BlockPool:
         pool._free = OrderedDict.fromkeys(free)
         for b, k in enumerate(keys):
             if k is not None:
-                pool._cached.setdefault(k, {})[b] = None
+                pool._cached[k] = (*pool._cached.get(k, ()), b)
         return pool
 
     def copy(self) -> BlockPool:
@@ -243,7 +245,7 @@ class BlockPool:
         c._ref = list(self._ref)
         c._key = list(self._key)
         c._free = self._free.copy()
-        c._cached = {k: v.copy() for k, v in self._cached.items()}
+        c._cached = self._cached.copy()
         c.queries, c.hits = self.queries, self.hits
         c.preempted_queries, c.preempted_hits = self.preempted_queries, self.preempted_hits
         return c
