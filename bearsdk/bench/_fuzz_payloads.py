@@ -37,7 +37,69 @@ _REQ_FIELDS: Final = (
     "max_tokens", "output_len", "placeholders",
 )  # fmt: skip
 _TOP_FIELDS: Final = ("schema", "instance", "seq", "time", "kv", "requests", "inflight", "epoch")
-_KV_FIELDS: Final = ("block_size", "num_blocks", "free_blocks")
+_KV_FIELDS: Final = ("block_size", "num_blocks", "free_blocks", "prefix_cache")
+_CACHE_FIELDS: Final = ("keys", "cached", "free")
+_CACHE_REQ_FIELDS: Final = ("blocks", "uncached_blocks", "chain")
+
+
+def _runs(ix: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in ix:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1])
+    return out
+
+
+def _prefix_cache(rng: random.Random, doc: dict[str, Any]) -> None:
+    """Give a valid document a valid ``kv.prefix_cache``: shared, cached and free blocks."""
+    kv = doc["kv"]
+    bs = kv["block_size"]
+    keys: list[int] = []
+    prev: list[int] = []
+    for r in doc["requests"]:
+        if r["state"] != "running":
+            continue
+        held = -(-r["computed_tokens"] // bs)
+        full = min(r["computed_tokens"], r["prompt_tokens"] + r["output_tokens"]) // bs
+        n = rng.randint(0, min(full, held, 200))
+        share = rng.randint(0, min(n, len(prev))) if rng.random() < 0.5 else 0
+        mine = prev[:share] + list(range(len(keys), len(keys) + n - share))
+        keys.extend(rng.getrandbits(63) for _ in range(n - share))
+        if mine:
+            r["blocks"] = _runs(mine)
+        if held > n:
+            r["uncached_blocks"] = held - n
+        prev = mine
+    cached = len(keys)
+    free_cached = rng.randint(0, min(kv["free_blocks"], 50))
+    if cached + free_cached > kv["num_blocks"]:
+        free_cached = 0
+    keys.extend(rng.getrandbits(63) for _ in range(free_cached))
+    entries = list(range(cached, cached + free_cached))
+    rng.shuffle(entries)
+    free: list[int] = []
+    rest = kv["free_blocks"] - free_cached
+    while entries or rest:
+        if rest and (not entries or rng.random() < 0.3):
+            n = rng.randint(1, rest)
+            free.append(-n)
+            rest -= n
+        else:
+            free.append(entries.pop())
+    for r in doc["requests"]:
+        known = (r["prompt_tokens"] + r["output_tokens"]) // bs
+        have = sum(c for _, c in r.get("blocks", ()))
+        if known > have and rng.random() < 0.5:
+            m = rng.randint(1, min(known - have, 100))
+            if rng.random() < 0.5 and len(keys) >= m:
+                start = rng.randrange(len(keys) - m + 1)
+                r["chain"] = [[start, m]]
+            else:
+                r["chain"] = [[len(keys), m]]
+                keys.extend(rng.getrandbits(63) for _ in range(m))
+    kv["prefix_cache"] = {"keys": keys, "cached": cached + free_cached, "free": free}
 
 
 def _valid(rng: random.Random, instance: str) -> dict[str, Any]:
@@ -87,6 +149,8 @@ def _valid(rng: random.Random, instance: str) -> dict[str, Any]:
         nb = min(max(nb, held, 1), 2**24)
         free = rng.randint(0, max(0, nb - held))
         doc["kv"] = {"block_size": bs, "num_blocks": nb, "free_blocks": free}
+        if rng.random() < 0.15 and bs <= 32 and nb <= 1_000_000:
+            _prefix_cache(rng, doc)
     if rng.random() < 0.5:
         doc["inflight"] = {"remaining_s": rng.choice((0.0, rng.random() * 0.05))}
     if rng.random() < 0.5:
@@ -134,6 +198,10 @@ def _mutate(rng: random.Random, doc: dict[str, Any], raws: list[str]) -> None:
         containers += [(rng.choice(rows), _REQ_FIELDS)] * 3
     if isinstance(doc.get("kv"), dict):
         containers.append((doc["kv"], _KV_FIELDS))
+        if isinstance(doc["kv"].get("prefix_cache"), dict):
+            containers += [(doc["kv"]["prefix_cache"], _CACHE_FIELDS)] * 2
+            if rows:
+                containers += [(rng.choice(rows), _CACHE_REQ_FIELDS)] * 2
     if isinstance(doc.get("inflight"), dict):
         containers.append((doc["inflight"], ("remaining_s",)))
     target, fields = rng.choice(containers)
