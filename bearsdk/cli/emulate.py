@@ -4,6 +4,8 @@
 OpenAI-compatible API for the profile's model, with ``bear.snapshot/1``
 endpoints; repeat ``--profile`` for several engines in one process (consecutive
 ports from ``--port``). ``--list-profiles`` lists the shipped profiles.
+``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` and
+``--enable-prompt-tokens-details`` are vLLM's flags.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from bearsdk.cli import nonnegative_int, positive_float, scheduler_arg
 from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, get_profile, profile_names
 from bearsdk.emulator.timing import GroundTruthParams
 from bearsdk.errors import BearError
+from bearsdk.schedulers import get_scheduler
 
 __all__ = ["register"]
 
@@ -65,6 +68,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="put each request's true output_len in snapshots (tests)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="automatic prefix caching, as vLLM's flag (default: the scheduler's "
+        "enable_prefix_caching, off in vllm-v1 for now)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details (cached_tokens), as vLLM's flag",
+    )
     p.add_argument("--no-noise", action="store_true", help="deterministic batch times")
     p.add_argument(
         "--time-scale",
@@ -75,8 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=_run)
 
 
-def _params(items: list[str]) -> dict[str, str]:
-    out = {}
+def _params(items: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -102,6 +117,7 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     if args.no_noise:
         time_model = time_model.without_noise()
     params = _params(args.param)
+    _prefix_caching(args, params)
     counts: dict[str, int] = {}
     out = []
     for i, name in enumerate(profiles):
@@ -119,9 +135,31 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
                 seed=args.seed + i,
                 time_model=time_model,
                 publish_output_len=args.publish_output_len,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             )
         )
     return out
+
+
+def _prefix_caching(args: argparse.Namespace, params: dict[str, object]) -> None:
+    """Put ``--[no-]enable-prefix-caching`` into the policy parameters."""
+    flag = args.enable_prefix_caching
+    if flag is None:
+        return
+    name = "--enable-prefix-caching" if flag else "--no-enable-prefix-caching"
+    if "enable_prefix_caching" in params:
+        raise EmulateError(f"{name} and --param enable_prefix_caching=...: give one of them")
+    try:
+        known = "enable_prefix_caching" in get_scheduler(args.scheduler).params
+    except BearError:
+        return  # an unknown scheduler is reported where it is bound
+    if known:
+        params["enable_prefix_caching"] = flag
+    elif flag:
+        raise EmulateError(
+            f"{name}: scheduler {args.scheduler!r} has no prefix cache "
+            "(no enable_prefix_caching parameter)"
+        )
 
 
 async def _serve(configs: list[EngineConfig]) -> int:

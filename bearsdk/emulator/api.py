@@ -255,6 +255,7 @@ def _plan(
     class_tokens: int,
     seed: int,
     text: str | None,
+    prompt_ids: list[int] | None = None,
 ) -> GenerationPlan:
     mml = engine.max_model_len
     if max_tokens is not None and max_tokens > mml:
@@ -297,6 +298,7 @@ def _plan(
         stop=stop,
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
+        prompt_ids=prompt_ids,
     )
 
 
@@ -324,14 +326,23 @@ def parse_completion(body: Any, headers: Mapping[str, str], engine: EngineCore) 
             body,
         )
     tok = engine.tokenizer
+    # Token ids only where the prefix cache matches by them (encoding costs more
+    # than counting).
+    ids: list[int] | None = None
     if isinstance(prompt, str):
-        prompt_tokens = tok.count(prompt)
+        if engine.prefix_caching:
+            ids = tok.encode(prompt)
+            prompt_tokens = len(ids)
+        else:
+            prompt_tokens = tok.count(prompt)
         category = classify_prompt(prompt, chat=False)
         seed = prompt_seed(engine.model_name, prompt)
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
     ):
         prompt_tokens = len(prompt)
+        if engine.prefix_caching:
+            ids = list(prompt)
         category = "azure-conv"
         seed = prompt_seed(engine.model_name, prompt)
     elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
@@ -355,6 +366,7 @@ def parse_completion(body: Any, headers: Mapping[str, str], engine: EngineCore) 
         class_tokens=prompt_tokens,
         seed=seed,
         text=prompt if isinstance(prompt, str) else None,
+        prompt_ids=ids,
     )
     return ParsedRequest(
         False,
@@ -387,7 +399,8 @@ def parse_chat(body: Any, headers: Mapping[str, str], engine: EngineCore) -> Par
         raise schema_error(exc.field, "value_error", str(exc), exc.value) from None
     if not messages:
         raise schema_error("messages", "too_short", "List should have at least 1 item", messages)
-    prompt_tokens = tok.count_chat(rendered)
+    ids = tok.encode_chat(rendered) if engine.prefix_caching else None
+    prompt_tokens = tok.count_chat(rendered) if ids is None else len(ids)
     max_param = "max_completion_tokens"
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
@@ -404,6 +417,7 @@ def parse_chat(body: Any, headers: Mapping[str, str], engine: EngineCore) -> Par
         class_tokens=max(1, tok.count(last)),
         seed=prompt_seed(engine.model_name, rendered),
         text=last,
+        prompt_ids=ids,
     )
     return ParsedRequest(
         True,

@@ -63,6 +63,10 @@ class EngineConfig:
             message) is a key, as when replaying a dataset's real answers
             (``bearsdk demo --workload alpaca-eval``). Other prompts draw from the
             profile's length model; ``bear_output_len`` still overrides both.
+        enable_prompt_tokens_details: Report ``usage.prompt_tokens_details``
+            (``cached_tokens``: the prefix-cache hit) as vLLM's
+            ``--enable-prompt-tokens-details`` does. Prefix caching itself is the
+            scheduler's ``enable_prefix_caching`` parameter.
     """
 
     profile: str = "qwen3-8b-h100"
@@ -81,6 +85,7 @@ class EngineConfig:
     log_size: int = 10_000
     serve_http: bool = True
     answer_lengths: Mapping[str, int] = attrs.field(factory=dict, hash=False, repr=False)
+    enable_prompt_tokens_details: bool = False
 
     def __attrs_post_init__(self) -> None:
         config_check(0 <= self.port <= 65535, "port", "must be in [0, 65535]", self.port)

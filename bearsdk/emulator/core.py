@@ -29,7 +29,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 import anyio.abc
@@ -51,6 +51,7 @@ from bearsdk.emulator.requests import (
 from bearsdk.emulator.text import Tokenizer
 from bearsdk.emulator.timing import BatchShape, GroundTruthTimeModel
 from bearsdk.replay import ScheduledBatch, SchedulerCore
+from bearsdk.replay.requests import RUNNING, CachedReq
 from bearsdk.schedulers import Policy
 
 if TYPE_CHECKING:
@@ -187,6 +188,11 @@ class EngineCore(Runs):
         return self._config.served_model_name or self._profile.model
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether the scheduler caches prefixes (``enable_prefix_caching``)."""
+        return self._core.pool is not None
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The stand-in tokenizer."""
         return self._tokenizer
@@ -308,9 +314,12 @@ class EngineCore(Runs):
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        prompt_ids: Sequence[int] | None = None,
     ) -> GenerationPlan:
         """Fix what a request generates on this engine's context
-        (:func:`~bearsdk.emulator.requests.plan_generation` documents the arguments)."""
+        (:func:`~bearsdk.emulator.requests.plan_generation` documents the arguments;
+        ``prompt_ids`` are kept, with the outputs' ids, only by a prefix-caching engine)."""
+        caching = prompt_ids is not None and self.prefix_caching
         return plan_generation(
             self._max_model_len,
             prompt_tokens,
@@ -320,6 +329,8 @@ class EngineCore(Runs):
             stop=stop,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
+            prompt_ids=prompt_ids if caching else None,
+            tokenizer=self._tokenizer if caching else None,
         )
 
     def submit(self, plan: GenerationPlan, request_id: str | None = None) -> RequestHandle:
@@ -345,7 +356,9 @@ class EngineCore(Runs):
         if rid in self._reqs:
             rid = f"{rid}-{self._next_id}"
         h = RequestHandle(rid, plan, anyio.current_time())
-        self._core.add_request(rid, plan.prompt_tokens, plan.output_len, plan.max_tokens)
+        # The cache matches blocks by the ids of the prompt and of the outputs to come.
+        ids = plan.token_ids if self._core.pool is not None else None
+        self._core.add_request(rid, plan.prompt_tokens, plan.output_len, plan.max_tokens, ids)
         self._reqs[rid] = h
         self._metrics.observe_submitted(plan)
         self._touch()
@@ -439,10 +452,13 @@ class EngineCore(Runs):
             if h is not None and h.first_token_batch == 0:
                 h.first_token_batch = k
         if b.admitted:
+            cached = self._core.requests if self._core.pool is not None else None
             for rid in b.tokens:
                 h = reqs.get(rid)
                 if h is not None and h.scheduled_at is None:
                     h.scheduled_at = now
+                    if cached is not None:
+                        h.cached_tokens = cast(CachedReq, cached[rid]).cached_tokens
         m = self._metrics
         m.observe("vllm:iteration_tokens_total", b.pre + b.dec)
         if b.preempted:
@@ -457,6 +473,8 @@ class EngineCore(Runs):
             self._meter.steps += 1
             self._record_batch(f)
         m = self._metrics
+        if self._core.pool is not None:
+            m.observe_prefix_cache(self._core.pool)
         reqs = self._reqs
         if out.tokens:
             m.inc("vllm:generation_tokens", len(out.tokens))
@@ -471,6 +489,8 @@ class EngineCore(Runs):
             else:
                 m.observe("vllm:time_to_first_token_seconds", now - h.arrival)
                 m.inc("vllm:prompt_tokens", h.plan.prompt_tokens)
+                if self._core.pool is not None:
+                    self._cache_created(h)
             times.append(now)
             h.produced += 1
             h.notify()
@@ -478,6 +498,21 @@ class EngineCore(Runs):
             h = reqs.pop(rid, None)
             if h is not None:
                 self._finish(h, h.plan.finish_reason, now)
+
+    def _cache_created(self, h: RequestHandle) -> None:
+        """Set vLLM's ``created_cache_tokens`` of a request whose first token arrived.
+
+        vLLM takes the tokens of the request's hashed blocks when its first output
+        is processed (``v1/core/sched/scheduler.py:2453-2458``,
+        ``v1/core/kv_cache_manager.py:760-789``), capped at the prompt, less the hit
+        (``v1/metrics/stats.py:343-346``): every full prompt block by then, unless
+        the request was preempted (asynchronous scheduling) while its first token
+        was in flight and holds no blocks.
+        """
+        r = self._core.requests.get(h.id)
+        if r is None or r.status == RUNNING:  # a request finishing now still held them
+            bs = self._policy.block_size
+            h.created_cache_tokens = bs * (h.plan.prompt_tokens // bs) - h.cached_tokens
 
     def _record_batch(self, f: _InFlight) -> None:
         assert f.shape is not None

@@ -20,6 +20,7 @@ import attrs
 
 if TYPE_CHECKING:
     from bearsdk.emulator.requests import GenerationPlan, RequestHandle
+    from bearsdk.replay.blocks import BlockPool
     from bearsdk.schedulers import Policy
 
 __all__ = [
@@ -176,6 +177,9 @@ _HISTOGRAMS: Final = (
     ),
 )
 _COUNTERS: Final = (
+    # Registered (and 0) with the cache off too, as in vLLM (v1/metrics/loggers.py:661-678).
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
     ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
     ("vllm:prompt_tokens", "Number of prefill tokens processed."),
     ("vllm:generation_tokens", "Number of generation tokens processed."),
@@ -250,13 +254,26 @@ class EngineMetrics:
             {
                 "block_size": str(policy.block_size),
                 "cache_dtype": "auto",
-                "enable_prefix_caching": "False",
+                "enable_prefix_caching": str(bool(policy.prefix_caching)),
                 "gpu_memory_utilization": "0.92",
                 "num_cpu_blocks": "None",
                 "num_gpu_blocks": str(policy.num_blocks),
                 "num_gpu_blocks_override": "None",
             },
         )
+
+    def observe_prefix_cache(self, pool: BlockPool) -> None:
+        """Take the prefix-cache counters from the scheduler's block pool.
+
+        vLLM counts tokens looked up and found at first admissions only
+        (re-admissions after a preemption are not in these counters) and reports
+        them with the output of the step that admitted them (sync) or of the one
+        before (async): the emulator reads them when it processes a batch's
+        outputs, after the next batch was scheduled in the async case, which is
+        the same moment.
+        """
+        self.counters["vllm:prefix_cache_queries"] = float(pool.queries)
+        self.counters["vllm:prefix_cache_hits"] = float(pool.hits)
 
     def observe_submitted(self, plan: GenerationPlan) -> None:
         """Record a request's parameters as it arrives."""

@@ -9,11 +9,15 @@ handler, a test) wakes; a finished request leaves a :class:`RequestRecord`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
 
 from bearsdk.emulator.text import filler_tokens
+
+if TYPE_CHECKING:
+    from bearsdk.emulator.text import Tokenizer
 
 __all__ = [
     "GenerationPlan",
@@ -37,6 +41,11 @@ class GenerationPlan:
         finish_reason: ``"stop"`` or ``"length"``.
         stop_reason: The stop string that ended it, if any.
         requested_max_tokens: ``max_tokens`` as requested (metrics).
+        prompt_ids: The prompt's token ids, where the engine needs them (a
+            prefix-caching engine matches cached blocks by them).
+        output_ids: The ids of the ``output_len`` tokens it generates (with
+            ``prompt_ids``): each text's id, the end of sequence's for ``""``;
+            a token cut by a stop string keeps the id of its whole text.
     """
 
     prompt_tokens: int
@@ -46,6 +55,15 @@ class GenerationPlan:
     finish_reason: str
     stop_reason: str | None = None
     requested_max_tokens: int | None = None
+    prompt_ids: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    output_ids: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """Prompt then output ids (``None`` without ``prompt_ids``)."""
+        if self.prompt_ids is None or self.output_ids is None:
+            return None
+        return [*self.prompt_ids, *self.output_ids]
 
 
 @attrs.frozen
@@ -94,6 +112,10 @@ class RequestHandle:
         dropped: The connection must be dropped (engine restart).
         first_token_batch: Batch index that sampled its first token (0: not yet).
         scheduled_at: Loop clock when first scheduled (``None``: not yet).
+        cached_tokens: Prompt tokens its first admission found in the prefix
+            cache (vLLM's ``num_cached_tokens``; 0 without the cache).
+        created_cache_tokens: Prompt tokens it wrote to the cache, as vLLM
+            reports them (``num_cache_creation_tokens``; set at its first token).
     """
 
     id: str
@@ -106,6 +128,8 @@ class RequestHandle:
     dropped: bool = False
     first_token_batch: int = 0
     scheduled_at: float | None = None
+    cached_tokens: int = 0
+    created_cache_tokens: int = 0
     _event: anyio.Event | None = None
 
     @property
@@ -192,6 +216,8 @@ def plan_generation(
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
     min_tokens: int = 0,
+    prompt_ids: Sequence[int] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> GenerationPlan:
     """Fix what a request generates.
 
@@ -204,6 +230,8 @@ def plan_generation(
         stop: Stop strings.
         ignore_eos: Generate until the cap.
         min_tokens: No end of sequence before this many tokens.
+        prompt_ids: The prompt's token ids (``prompt_tokens`` of them), to carry.
+        tokenizer: With ``prompt_ids``: gives the output tokens' ids.
     """
     cap = max_model_len - prompt_tokens
     if max_tokens is not None:
@@ -215,9 +243,22 @@ def plan_generation(
     texts = filler_tokens(n, seed)
     if finish == "stop":
         texts[-1] = ""  # the end-of-sequence token has no text
+    ids = None
+    if prompt_ids is not None and tokenizer is not None:
+        ids = tuple(tokenizer.output_ids(texts))
     stop_reason = None
     if stop:
         n, texts, hit = apply_stop(texts, stop)
         if hit is not None:
             finish, stop_reason = "stop", hit
-    return GenerationPlan(prompt_tokens, cap, n, tuple(texts), finish, stop_reason, max_tokens)
+    return GenerationPlan(
+        prompt_tokens,
+        cap,
+        n,
+        tuple(texts),
+        finish,
+        stop_reason,
+        max_tokens,
+        None if ids is None or prompt_ids is None else tuple(prompt_ids),
+        None if ids is None else ids[:n],
+    )

@@ -25,20 +25,56 @@ __all__ = [
     "completion_chunk",
     "completion_response",
     "models_response",
+    "prompt_tokens_details",
     "usage_chunk",
 ]
 
 
-def _usage(prompt: int, completion: int, *, details: bool = False) -> dict[str, Any]:
+def _usage(
+    prompt: int,
+    completion: int,
+    *,
+    details: bool = False,
+    prompt_details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     u: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
     if details:
-        u["prompt_tokens_details"] = None
+        u["prompt_tokens_details"] = prompt_details
         u["completion_tokens_details"] = None
+    elif prompt_details is not None:
+        u["prompt_tokens_details"] = prompt_details
     return u
+
+
+def prompt_tokens_details(chat: bool, cached: int, created: int, *, stream: bool) -> dict[str, Any]:
+    """``usage.prompt_tokens_details`` as vLLM 0.33 reports it with
+    ``--enable-prompt-tokens-details``.
+
+    ``cached_tokens`` is the prefix-cache hit of the request's first admission;
+    the chat server also reports ``created_cache_tokens`` (the completions
+    server leaves it unset: ``entrypoints/openai/completion/serving.py:508-511``,
+    ``:668-675``; chat: ``entrypoints/openai/chat_completion/serving.py:95-114``).
+    A streamed final usage chunk is serialized without its ``None`` fields,
+    a whole response with them.
+
+    Args:
+        chat: A chat completion (else a text completion).
+        cached: ``cached_tokens``.
+        created: ``created_cache_tokens`` (chat only).
+        stream: For the final usage chunk of a stream.
+    """
+    d: dict[str, Any] = {"cached_tokens": cached}
+    if chat:
+        d["created_cache_tokens"] = created
+    elif not stream:
+        d["created_cache_tokens"] = None
+    if not stream:
+        d["multimodal_tokens"] = None
+    return d
 
 
 def completion_chunk(
@@ -191,12 +227,20 @@ class SseEncoder:
             + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
 
-    def usage(self, prompt: int, completion: int) -> bytes:
+    def usage(
+        self, prompt: int, completion: int, prompt_details: dict[str, Any] | None = None
+    ) -> bytes:
         """The final ``usage`` event."""
-        return self._usage_head + orjson.dumps(_usage(prompt, completion)) + b"}\n\n"
+        u = _usage(prompt, completion, prompt_details=prompt_details)
+        return self._usage_head + orjson.dumps(u) + b"}\n\n"
 
 
-def usage_chunk(req: ParsedRequest, prompt: int, completion: int) -> dict[str, Any]:
+def usage_chunk(
+    req: ParsedRequest,
+    prompt: int,
+    completion: int,
+    prompt_details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The final stream chunk with ``usage`` (``stream_options.include_usage``)."""
     return {
         "id": req.request_id,
@@ -204,12 +248,17 @@ def usage_chunk(req: ParsedRequest, prompt: int, completion: int) -> dict[str, A
         "created": req.created,
         "model": req.model,
         "choices": [],
-        "usage": _usage(prompt, completion),
+        "usage": _usage(prompt, completion, prompt_details=prompt_details),
     }
 
 
 def completion_response(
-    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
+    req: ParsedRequest,
+    text: str,
+    finish: str | None,
+    stop_reason: str | None,
+    completion: int,
+    prompt_details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``text_completion`` response."""
     return {
@@ -233,7 +282,9 @@ def completion_response(
         ],
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
+        "usage": _usage(
+            req.plan.prompt_tokens, completion, details=True, prompt_details=prompt_details
+        ),
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "metrics": None,
@@ -241,7 +292,12 @@ def completion_response(
 
 
 def chat_response(
-    req: ParsedRequest, text: str, finish: str | None, stop_reason: str | None, completion: int
+    req: ParsedRequest,
+    text: str,
+    finish: str | None,
+    stop_reason: str | None,
+    completion: int,
+    prompt_details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` response."""
     return {
@@ -271,7 +327,9 @@ def chat_response(
         ],
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": _usage(req.plan.prompt_tokens, completion, details=True),
+        "usage": _usage(
+            req.plan.prompt_tokens, completion, details=True, prompt_details=prompt_details
+        ),
         "prompt_logprobs": None,
         "prompt_token_ids": None,
         "prompt_text": None,

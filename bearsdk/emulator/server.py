@@ -54,6 +54,7 @@ from bearsdk.emulator.responses import (
     chat_response,
     completion_response,
     models_response,
+    prompt_tokens_details,
 )
 from bearsdk.emulator.text import ChatMessageError
 from bearsdk.errors import BearError
@@ -205,10 +206,21 @@ class _Api:
                 return web.Response(status=500)
             stop = h.plan.stop_reason if h.finish_reason == "stop" else None
             shape = chat_response if req.chat else completion_response
-            return _json(shape(req, h.text(), h.finish_reason, stop, h.produced))
+            details = self._prompt_details(req, h, stream=False)
+            return _json(shape(req, h.text(), h.finish_reason, stop, h.produced, details))
         finally:
             if not h.done:
                 self.engine.abort(h.id)
+
+    def _prompt_details(
+        self, req: ParsedRequest, h: RequestHandle, *, stream: bool
+    ) -> dict[str, Any] | None:
+        """``usage.prompt_tokens_details`` (``None`` unless the engine reports it)."""
+        if not self.engine.config.enable_prompt_tokens_details:
+            return None
+        return prompt_tokens_details(
+            req.chat, h.cached_tokens, h.created_cache_tokens, stream=stream
+        )
 
     async def _wait_delivered(self, h: RequestHandle, upto: int) -> int:
         """Wait until tokens past the last sent are deliverable; return how many are.
@@ -267,7 +279,7 @@ class _Api:
                 sent = n
                 if final:
                     if req.include_usage:
-                        out += enc.usage(prompt, n)
+                        out += enc.usage(prompt, n, self._prompt_details(req, h, stream=True))
                     out += _DONE
                 await resp.write(out)
                 chunks += 1
@@ -301,11 +313,8 @@ class _Api:
             tok = self.engine.tokenizer
             if "messages" in body:
                 text = tok.render_chat(body["messages"])
-                pieces = [
-                    p
-                    for i, seg in enumerate(_split_special(text))
-                    for p in ([seg] if i % 2 else tok.pieces(seg))
-                ]
+                pieces = tok.chat_pieces(text)
+                ids = tok.encode_chat(text)
             else:
                 prompt = body["prompt"]
                 if not isinstance(prompt, str):
@@ -313,12 +322,12 @@ class _Api:
                         "prompt", "string_type", "Input should be a valid string", prompt
                     )
                 pieces = tok.pieces(prompt)
+                ids = [tok.token_id(p) for p in pieces]
         except ApiError as exc:
             return await self._reply(request, _error(exc))
         except ChatMessageError as exc:
             err = schema_error(exc.field, "value_error", str(exc), exc.value)
             return await self._reply(request, _error(err))
-        ids = [tok.token_id(p) for p in pieces]
         out: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,
@@ -461,12 +470,6 @@ class _Api:
             )
         self.engine.request_restart(float(downtime))
         return _json({"restarting": True, "downtime_s": float(downtime)})
-
-
-def _split_special(text: str) -> list[str]:
-    import re
-
-    return re.split(r"(<\|[a-z_]+\|>)", text)
 
 
 def build_app(engine: EngineCore, admin_token: str | None = None) -> web.Application:

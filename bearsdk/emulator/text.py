@@ -7,8 +7,9 @@ approximates them deterministically:
   the word, as in BPE vocabularies; words longer than 7 letters take several
   tokens), which gives about 4.3 characters and 1.35 tokens per word on
   AlpacaEval's instructions, close to real BPE vocabularies. Chat
-  messages are rendered with a ChatML template whose markers count as one token
-  each.
+  messages are rendered with a ChatML template whose markers are one special
+  token each, with Qwen's ids (``<|im_end|>`` is also the end-of-sequence token,
+  as for a ChatML instruct model).
 * :class:`OutputLengthModel` draws each request's true output length from a
   log-normal regression on the prompt length whose parameters depend on the task
   (``classify_prompt``: code, summarize, rewrite, short answer, list, creative,
@@ -16,7 +17,9 @@ approximates them deterministically:
   on the model; the draw is seeded by the prompt itself, so one prompt always
   gets the same length on one model. Parameters come from ``_derived.py``.
 * :func:`filler_tokens` produces plausible English-looking output tokens, also
-  seeded by the prompt.
+  seeded by the prompt. They are the tokenizer's own pieces, so an output sent
+  back as text (the next turn of a conversation) encodes to the ids it was
+  generated as, which is what lets that turn hit the prefix cache.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import attrs
 __all__ = [
     "CODE_CATEGORY",
     "CONVERSATION_CATEGORY",
+    "EOS_ID",
     "INSTRUCTION_CATEGORIES",
     "ChatMessageError",
     "CountingTokenizer",
@@ -145,6 +149,17 @@ def prompt_seed(*parts: str | bytes | Sequence[int]) -> int:
 # to 3 digits, a run of up to 4 other symbols, or up to 4 whitespace characters.
 _TOKEN: Final = re.compile(r" ?[A-Za-z]{1,7}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]{1,4}|\s{1,4}")
 _SPECIAL_BASE: Final = 151643  # Qwen's special tokens start here
+_MARKER: Final = re.compile(r"(<\|[a-z_]+\|>)")
+# Qwen2/3's special tokens, in id order from _SPECIAL_BASE; other markers get an
+# id after them (hashed, so that one name always gets one id).
+_SPECIALS: Final = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+_SPECIAL_IDS: Final = {m: _SPECIAL_BASE + i for i, m in enumerate(_SPECIALS)}
+_EXTRA_SPECIALS: Final = 256
+EOS_ID: Final = _SPECIAL_IDS["<|im_end|>"]
 
 
 class ChatMessageError(ValueError):
@@ -190,6 +205,19 @@ class Tokenizer:
     """
 
     vocab_size: int = 151936
+
+    @property
+    def eos(self) -> int:
+        """The end-of-sequence id: ``<|im_end|>``, as a ChatML instruct model ends its turn."""
+        return EOS_ID
+
+    def special_id(self, marker: str) -> int:
+        """The id of a ``<|...|>`` marker (Qwen's id where it has one)."""
+        known = _SPECIAL_IDS.get(marker)
+        if known is not None:
+            return known
+        crc = zlib.crc32(marker.encode("utf-8", "surrogatepass"))
+        return _SPECIAL_BASE + len(_SPECIALS) + crc % _EXTRA_SPECIALS
 
     def pieces(self, text: str) -> list[str]:
         """Split ``text`` into token strings (concatenated they give ``text`` back)."""
@@ -240,12 +268,38 @@ class Tokenizer:
     def count_chat(self, rendered: str) -> int:
         """Tokens of a rendered chat prompt; each ``<|...|>`` marker is one token."""
         n = 0
-        for i, seg in enumerate(re.split(r"(<\|[a-z_]+\|>)", rendered)):
+        for i, seg in enumerate(_MARKER.split(rendered)):
             if i % 2:
                 n += 1
             elif seg:
                 n += self.count(seg)
         return n
+
+    def chat_pieces(self, rendered: str) -> list[str]:
+        """Token strings of a rendered chat prompt (a marker is one piece)."""
+        out: list[str] = []
+        for i, seg in enumerate(_MARKER.split(rendered)):
+            if i % 2:
+                out.append(seg)
+            elif seg:
+                out.extend(_TOKEN.findall(seg))
+        return out
+
+    def encode_chat(self, rendered: str) -> list[int]:
+        """Token ids of a rendered chat prompt, :meth:`count_chat` of them: a marker is
+        its special id, the text between markers is :meth:`encode`'s."""
+        ids: list[int] = []
+        for i, seg in enumerate(_MARKER.split(rendered)):
+            if i % 2:
+                ids.append(self.special_id(seg))
+            elif seg:
+                ids.extend(self.encode(seg))
+        return ids
+
+    def output_ids(self, texts: Sequence[str]) -> list[int]:
+        """Ids of generated tokens given by their text (``""``: end of sequence)."""
+        tid, eos = self.token_id, self.eos
+        return [tid(t) if t else eos for t in texts]
 
 
 def message_text(msg: Mapping[str, Any], index: int) -> str:
@@ -334,7 +388,11 @@ _PUNCT: Final = (",", ".", ".", ":", ";")
 
 
 def filler_tokens(n: int, seed: int) -> list[str]:
-    """``n`` plausible English-looking output token strings, deterministic in ``seed``."""
+    """``n`` plausible English-looking output token strings, deterministic in ``seed``.
+
+    Each string is one :class:`Tokenizer` piece (a long word takes several), so the
+    text they make encodes back to them.
+    """
     if n <= 0:
         return []
     rng = random.Random(seed)
@@ -343,14 +401,14 @@ def filler_tokens(n: int, seed: int) -> list[str]:
     out: list[str] = []
     sentence = 0
     for w in words:
+        if len(out) >= n:
+            break
         r = marks()
         if sentence > 6 and r < 0.12:
             out.append(_PUNCT[int(r * 40) % len(_PUNCT)])
             sentence = 0
-        elif sentence == 0:
-            out.append(" " + w.capitalize() if out else w.capitalize())
-            sentence += 1
-        else:
-            out.append(" " + w)
-            sentence += 1
-    return out
+            continue
+        word = (" " + w.capitalize() if out else w.capitalize()) if sentence == 0 else " " + w
+        out.extend(_TOKEN.findall(word))
+        sentence += 1
+    return out[:n]
