@@ -289,3 +289,33 @@ def test_the_bench_scenarios_hold_shared_and_cached_blocks() -> None:
     assert a2.snapshot.prefix_cache is not None
     blocks = a2.snapshot.prefix_cache.blocks
     assert sum(map(len, blocks)) > len({b for bs in blocks for b in bs}) + 1000  # shared
+
+
+def test_a_huge_empty_pool_costs_nothing_to_prepare_and_replay() -> None:
+    # 16M free blocks, none named: a run, not 16M entries (a hostile or simply
+    # large engine must not stall the router).
+    doc = {
+        "schema": "bear.snapshot/1",
+        "instance": "big",
+        "seq": 1,
+        "time": 0.0,
+        "kv": {
+            "block_size": 16,
+            "num_blocks": 2**24,
+            "free_blocks": 2**24 - 1,
+            "prefix_cache": {"keys": [], "cached": 0, "free": [-(2**24 - 1)]},
+        },
+        "requests": [],
+    }
+    snap = snapshot_from_dict(doc)
+    pol = bearsdk.bind_scheduler(
+        "vllm-v1", {"enable_prefix_caching": True, "num_gpu_blocks": 2**24}
+    )
+    rp = PyReplayer(pol)
+    assert snap.kv is not None
+    prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    assert prep.pool is not None
+    assert prep.pool.num_free == 2**24 - 1
+    assert len(prep.pool.free_queue()) == 1
+    res = rp.replay(prep, 5000, 10, prefix_keys=[1, 2, 3])
+    assert res.first_token_batch == 3  # 2048-token chunks

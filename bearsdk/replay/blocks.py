@@ -65,9 +65,13 @@ def chain_keys(tokens: Sequence[int], block_size: int, start: Sequence[int] = ()
 class BlockPool:
     """The engine's KV blocks, their reference counts, the prefix cache and the free queue.
 
+    Blocks get ids when they first matter: a free block that holds nothing
+    findable and was never handed out is part of a *run* in the free queue (a
+    count), so a pool of millions of blocks costs what its used blocks cost.
+
     Args:
         num_blocks: Blocks in the pool (``0``: unlimited, nothing is ever evicted).
-        reserved: Blocks that are never free (vLLM's null block): ids below it.
+        reserved: Blocks that are never free (vLLM's null block).
 
     Attributes:
         queries: Tokens looked up when requests were first admitted (vLLM's
@@ -80,7 +84,10 @@ class BlockPool:
         "_cached",
         "_free",
         "_key",
+        "_n_free",
         "_ref",
+        "_runs",
+        "_token",
         "_unlimited",
         "hits",
         "preempted_hits",
@@ -90,21 +97,35 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, reserved: int = 0) -> None:
         self._unlimited = num_blocks == 0
-        self._ref: list[int] = [0] * num_blocks
-        self._key: list[int | None] = [None] * num_blocks
-        # Free blocks in eviction order (front first); an OrderedDict gives the
-        # O(1) removal from the middle that a touched hit needs.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(reserved, num_blocks))
+        self._ref: list[int] = []
+        self._key: list[int | None] = []
+        # The free queue in eviction order (front first). Entries >= 0 are
+        # block ids, entries < 0 name runs of unnamed blocks (_runs: their
+        # counts). An OrderedDict gives the O(1) removal from the middle that a
+        # touched hit needs.
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._runs: dict[int, int] = {}
+        self._token = 0
+        self._n_free = 0
+        if num_blocks > reserved:
+            self._push_run(num_blocks - reserved)
         # content key -> the blocks holding it, first cached first; tuples,
         # replaced rather than changed, so that a copy of the pool can share them
         self._cached: dict[int, tuple[int, ...]] = {}
         self.queries = self.hits = 0
         self.preempted_queries = self.preempted_hits = 0
 
+    def _push_run(self, n: int) -> None:
+        self._token -= 1  # a run's name is never reused
+        token = self._token
+        self._runs[token] = n
+        self._free[token] = None
+        self._n_free += n
+
     @property
     def num_free(self) -> int:
         """Free blocks, cached ones included (what vLLM reports as free)."""
-        return len(self._free)
+        return self._n_free
 
     @property
     def num_cached(self) -> int:
@@ -141,7 +162,14 @@ class BlockPool:
         for b in blocks:
             if ref[b] == 0:
                 del self._free[b]
+                self._n_free -= 1
             ref[b] += 1
+
+    def _name(self) -> int:
+        b = len(self._ref)
+        self._ref.append(0)
+        self._key.append(None)
+        return b
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue, evicting their content.
@@ -151,28 +179,40 @@ class BlockPool:
         """
         if n <= 0:
             return []
+        out: list[int] = []
         if self._unlimited:
-            return self._mint(n)
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks: {len(self._free)} free")
-        out = []
-        free, ref, key = self._free, self._ref, self._key
-        for _ in range(n):
-            b, _none = free.popitem(last=False)
-            k = key[b]
+            # An unlimited pool never evicts: it grows instead.
+            for _ in range(n):
+                b = self._name()
+                self._ref[b] = 1
+                out.append(b)
+            return out
+        if n > self._n_free:
+            raise ValueError(f"cannot allocate {n} blocks: {self._n_free} free")
+        free, ref, key, runs = self._free, self._ref, self._key, self._runs
+        while len(out) < n:
+            e = next(iter(free))
+            if e < 0:
+                take = min(runs[e], n - len(out))
+                runs[e] -= take
+                if runs[e] == 0:
+                    del runs[e]
+                    del free[e]
+                for _ in range(take):
+                    b = self._name()
+                    ref[b] = 1
+                    out.append(b)
+                self._n_free -= take
+                continue
+            del free[e]
+            self._n_free -= 1
+            k = key[e]
             if k is not None:
-                self._forget(k, b)
-                key[b] = None
-            ref[b] = 1
-            out.append(b)
+                self._forget(k, e)
+                key[e] = None
+            ref[e] = 1
+            out.append(e)
         return out
-
-    def _mint(self, n: int) -> list[int]:
-        # An unlimited pool never evicts: it grows instead.
-        first = len(self._ref)
-        self._ref.extend([1] * n)
-        self._key.extend([None] * n)
-        return list(range(first, first + n))
 
     def _forget(self, k: int, b: int) -> None:
         holders = tuple(x for x in self._cached[k] if x != b)
@@ -208,6 +248,7 @@ class BlockPool:
         for b in blocks:
             ref[b] -= 1
             if ref[b] == 0:
+                self._n_free += 1
                 if key[b] is None:
                     first.append(b)
                 else:
@@ -223,16 +264,22 @@ class BlockPool:
         """A pool in a given state (a snapshot's), blocks ``0..len(keys) - 1``.
 
         Args:
-            keys: Each block's content key (``None``: no findable content); blocks
-                with equal keys are found in id order.
-            refs: Each block's holders.
-            free: The free queue, front first (exactly the blocks with no holder).
+            keys: Each named block's content key (``None``: no findable
+                content); blocks with equal keys are found in id order.
+            refs: Each named block's holders.
+            free: The free queue, front first: a block id (``>= 0``, exactly the
+                named blocks with no holder), or ``-n`` for ``n`` unnamed blocks.
         """
         pool = cls(0)
         pool._unlimited = False
         pool._ref = list(refs)
         pool._key = list(keys)
-        pool._free = OrderedDict.fromkeys(free)
+        for e in free:
+            if e >= 0:
+                pool._free[e] = None
+                pool._n_free += 1
+            else:
+                pool._push_run(-e)
         for b, k in enumerate(keys):
             if k is not None:
                 pool._cached[k] = (*pool._cached.get(k, ()), b)
@@ -245,6 +292,9 @@ class BlockPool:
         c._ref = list(self._ref)
         c._key = list(self._key)
         c._free = self._free.copy()
+        c._runs = self._runs.copy()
+        c._token = self._token
+        c._n_free = self._n_free
         c._cached = self._cached.copy()
         c.queries, c.hits = self.queries, self.hits
         c.preempted_queries, c.preempted_hits = self.preempted_queries, self.preempted_hits
@@ -259,8 +309,9 @@ class BlockPool:
         return self._key[b]
 
     def free_queue(self) -> list[tuple[int, int | None]]:
-        """``(block id, content key or None)`` for each free block, front first."""
-        return [(b, self._key[b]) for b in self._free]
+        """The free queue, front first: ``(block id, content key or None)`` for a
+        named block, ``(-n, None)`` for a run of ``n`` unnamed blocks."""
+        return [(e, self._key[e]) if e >= 0 else (-self._runs[e], None) for e in self._free]
 
     def held(self, b: int) -> int:
         """Requests holding block ``b``."""

@@ -52,13 +52,15 @@ def export(
     for i, k in enumerate(keys):
         by_value.setdefault(k, i)
     free: list[int] = []
-    for b, content in pool.free_queue():
+    for e, content in pool.free_queue():
         if content is not None:
-            free.append(index[b])
-        elif free and free[-1] < 0:
-            free[-1] -= 1
+            free.append(index[e])
         else:
-            free.append(-1)
+            n = 1 if e >= 0 else -e
+            if free and free[-1] < 0:
+                free[-1] -= n
+            else:
+                free.append(-n)
     fields = []
     for held, cached, known in residents:
         mine = [index[b] for b in held[:cached]]
@@ -113,20 +115,15 @@ class RestoredBlocks:
 def restore(state: PrefixCacheState) -> RestoredBlocks:
     """Rebuild the pool of a validated ``kv.prefix_cache``.
 
-    Cached block ``j`` becomes block id ``j``; blocks with no findable content
-    (free or held) get the ids after them, in the order they appear.
+    Cached block ``j`` becomes block id ``j``; held blocks with no findable
+    content get the ids after them; free ones stay unnamed runs.
     """
     n = state.cached
     block_keys: list[int | None] = list(state.keys[:n])
     refs = [0] * n
-    free: list[int] = []
-    for e in state.free:
-        if e >= 0:
-            free.append(e)
-        else:
-            free.extend(range(len(block_keys), len(block_keys) - e))
-            block_keys.extend([None] * -e)
-            refs.extend([0] * -e)
+    # Runs of blocks with nothing findable stay runs: a pool of millions of
+    # free blocks costs nothing until they are handed out.
+    free = list(state.free)
     block_ids: list[list[int]] = []
     keys: list[list[int]] = []
     for mine, un, chain in zip(state.blocks, state.uncached, state.chains, strict=True):
