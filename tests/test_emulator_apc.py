@@ -287,8 +287,10 @@ async def test_preempted_readmission_is_not_in_the_counters() -> None:
     engine = _engine(True, num_gpu_blocks=40, max_model_len=512)
     assert engine.policy.block_size == 16
     async with engine:
-        a = engine.submit(engine.plan(200, natural_len=150, prompt_ids=list(range(1, 201))))
+        a = engine.submit_tokens(200, 150, prompt_ids=range(1, 201))
         b = engine.submit(engine.plan(200, natural_len=150, prompt_ids=list(range(2, 202))))
+        with pytest.raises(ValueError, match="prompt_ids must have prompt_tokens=5 ids"):
+            engine.submit_tokens(5, 1, prompt_ids=[1, 2])
         await a.result()
         await b.result()
         pool = engine._core.pool

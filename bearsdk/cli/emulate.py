@@ -183,7 +183,8 @@ def _describe(e: EmulatedEngine) -> None:
     print(
         f"{e.instance}: {e.model_name} ({e.profile.description}) on {e.url} | "
         f"scheduler {p.name}, {p.token_budget} tokens/batch, {p.max_seqs} seqs, "
-        f"{p.num_blocks} KV blocks of {p.block_size}, max_model_len {e.max_model_len}",
+        f"{p.num_blocks} KV blocks of {p.block_size}, max_model_len {e.max_model_len}"
+        f"{', prefix caching' if e.prefix_caching else ''}",
         flush=True,
     )
 

@@ -371,10 +371,18 @@ class EngineCore(Runs):
         *,
         max_tokens: int | None = None,
         request_id: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Submit a request by lengths alone (tests, simulations): shorthand for
-        :meth:`plan` with ``natural_len=output_len`` and :meth:`submit`."""
-        plan = self.plan(prompt_tokens, natural_len=output_len, max_tokens=max_tokens)
+        :meth:`plan` with ``natural_len=output_len`` and :meth:`submit`
+        (``prompt_ids``: its prompt's token ids, for the prefix cache)."""
+        if prompt_ids is not None and len(prompt_ids) != prompt_tokens:
+            raise ValueError(
+                f"prompt_ids must have prompt_tokens={prompt_tokens} ids (got {len(prompt_ids)})"
+            )
+        plan = self.plan(
+            prompt_tokens, natural_len=output_len, max_tokens=max_tokens, prompt_ids=prompt_ids
+        )
         return self.submit(plan, request_id)
 
     def abort(self, rid: str, *, reason: str = "abort") -> bool:
