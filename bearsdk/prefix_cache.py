@@ -51,10 +51,11 @@ __all__ = [
 
 KEY_LIMIT: Final = 1 << 63
 """Content keys are in ``[0, KEY_LIMIT)``."""
-MAX_CACHE_ENTRIES: Final = 1 << 22
-"""Keys, free-queue entries and expanded block references of one snapshot,
-each (a pool of 4M blocks, or 256 requests of 256k tokens in 16-token blocks):
-bounds the memory a decoded extension takes to tens of MB."""
+MAX_CACHE_ENTRIES: Final = 1 << 19
+"""Keys, free-queue entries and expanded block references of one snapshot, each.
+Half a million references are 8M tokens of KV in 16-token blocks, several times
+what one GPU holds even when every request names a shared prefix; the bound
+keeps what a hostile extension costs to decode under ~0.1 s and ~10 MB."""
 REQUEST_FIELDS: Final = ("blocks", "uncached_blocks", "chain")
 _FIELDS: Final = ("keys", "cached", "free")
 
@@ -201,9 +202,12 @@ def prefix_cache_from_dict(
         if key not in raw:
             raise SnapshotError(f"kv.prefix_cache.{key}", "is required")
     keys_raw = _list(raw["keys"], "kv.prefix_cache.keys")
-    keys = tuple(
-        _int(k, f"kv.prefix_cache.keys[{j}]", 0, KEY_LIMIT - 1) for j, k in enumerate(keys_raw)
-    )
+    keys = tuple(keys_raw)
+    if not all(type(k) is int for k in keys) or (
+        keys and not 0 <= min(keys) <= max(keys) < KEY_LIMIT
+    ):
+        for j, k in enumerate(keys):  # the slow path only names the culprit
+            _int(k, f"kv.prefix_cache.keys[{j}]", 0, KEY_LIMIT - 1)
     cached = _int(raw["cached"], "kv.prefix_cache.cached", 0, min(len(keys), num_blocks))
     free_raw = _list(raw["free"], "kv.prefix_cache.free")
     free: list[int] = []
@@ -258,11 +262,12 @@ def prefix_cache_from_dict(
                     f"holds {len(mine)} cached blocks, more than its computed tokens fill",
                     _runs(mine),
                 )
-            for b in mine:
-                if b in in_free:
-                    raise SnapshotError(
-                        f"{where}.blocks", f"holds block {b}, which is in the free queue", b
-                    )
+            both = in_free.intersection(mine)
+            if both:
+                b = min(both)
+                raise SnapshotError(
+                    f"{where}.blocks", f"holds block {b}, which is in the free queue", b
+                )
         elif mine or n_un:
             raise SnapshotError(
                 f"{where}.blocks" if mine else f"{where}.uncached_blocks",
@@ -284,14 +289,15 @@ def prefix_cache_from_dict(
         blocks.append(mine)
         uncached.append(n_un)
         chains.append(chain)
-    for b in range(cached):
-        if b not in in_free and b not in held:
-            raise SnapshotError(
-                "kv.prefix_cache.cached",
-                f"counts block {b} (key {keys[b]}), which is neither free nor held by a running "
-                "request",
-                cached,
-            )
+    orphans = set(range(cached)).difference(in_free, held)
+    if orphans:
+        b = min(orphans)
+        raise SnapshotError(
+            "kv.prefix_cache.cached",
+            f"counts block {b} (key {keys[b]}), which is neither free nor held by a running "
+            "request",
+            cached,
+        )
     used = len(held) + private + free_blocks
     if used > num_blocks:
         raise SnapshotError(
