@@ -34,10 +34,9 @@ SYSTEM = (
 def _engine(
     apc: bool, *, details: bool = True, profile: str = PROFILE, **params: object
 ) -> EmulatedEngine:
-    # A pool of 4096 blocks keeps each step's snapshot small (it lists the blocks).
     cfg = EngineConfig(
         profile=profile,
-        params={"enable_prefix_caching": apc, "num_gpu_blocks": 4096, **params},
+        params={"enable_prefix_caching": apc, **params},
         time_model=GroundTruthParams().without_noise(),
         enable_prompt_tokens_details=details,
         seed=3,
