@@ -1,0 +1,206 @@
+"""``bearsdk bench prefix``: BEA's TTFT error on a multi-turn agent workload with prefix caching.
+
+An emulated vLLM engine (``vllm-v1`` with ``enable_prefix_caching``, real token
+ids) serves concurrent agent sessions: each turn's prompt is the previous
+turn's prompt, its output and new text, so every turn after the first hits the
+blocks its predecessor left (when they survive eviction). At every arrival the
+router's view is the snapshot the engine published just then, with the true
+output lengths of its residents (oracle lengths); BEA predicts the new turn's
+TTFT two ways:
+
+* ``blocks``: the snapshot's ``kv.prefix_cache`` replayed block by block, the
+  new turn's content keys looked up at its admission;
+* ``ignored``: the same snapshot with the cache ignored (blocks counted, every
+  prompt computed in full: what BEA did before prefix caching).
+
+The score is the mean absolute percentage error against the TTFT the engine
+measured, and how often the replay's first-token batch is the engine's. The
+engine runs in real time with its ground-truth time model (noise included);
+BEA uses the instance's calibrated eq. 12 coefficients (a profiling sweep of
+its own GPU), so the error left with ``blocks`` is the time model's, not the
+replay's. The batch in flight at capture has run on until the request
+arrives: that part of it is taken off both estimates, as the router's
+staleness handling does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from typing import Any
+
+import anyio
+import attrs
+
+from bearsdk.cli import positive_int
+
+__all__ = ["register", "run"]
+
+
+async def _run(sessions: int, turns: int, seed: int, profile: str) -> dict[str, Any]:
+    from bearsdk.emulator import EmulatedEngine, EngineConfig
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.replay.blocks import chain_keys
+    from bearsdk.snapshot import snapshot_from_dict
+
+    cfg = EngineConfig(
+        profile=profile,
+        params={"enable_prefix_caching": True, "max_num_seqs": 64},
+        publish_output_len=True,
+        serve_http=False,
+        seed=seed,
+    )
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    async with EmulatedEngine(cfg) as eng:
+        policy = eng.policy
+        bt = eng.calibrated_batch_time()
+        with_blocks = BEAEstimator(policy, bt)
+        ignored = BEAEstimator(attrs.evolve(policy, prefix_caching=False), bt)
+        bs = policy.block_size
+        vocab = 150_000
+
+        async def session(s: int) -> None:
+            ids = [rng.randrange(1, vocab) for _ in range(rng.randint(300, 1500))]
+            await anyio.sleep(rng.uniform(0, 0.5))
+            for t in range(turns):
+                out = rng.randint(20, 200)
+                await _published(eng)
+                pub = eng.captured_snapshot
+                snap = snapshot_from_dict(pub.doc)
+                # Same task, no await: the turn arrives in exactly that state.
+                h = eng.submit_tokens(
+                    len(ids), out, max_tokens=out, request_id=f"s{s}t{t}", prompt_ids=ids
+                )
+                # The batch in flight at capture has run on since: what is left of it.
+                age = anyio.current_time() - pub.captured_at
+                keys = chain_keys(ids, bs)
+                est_b = with_blocks.estimate(snap, len(ids), out, max_tokens=out, prefix_keys=keys)
+                est_i = ignored.estimate(snap, len(ids), out, max_tokens=out)
+                spent = min(age, est_b.inflight_s)
+                await h.result()
+                assert h.ttft is not None
+                rows.append(
+                    {
+                        "turn": t,
+                        "prompt": len(ids),
+                        "ttft": h.ttft,
+                        "blocks": est_b.ttft_s - spent,
+                        "ignored": est_i.ttft_s - spent,
+                        # The replay's first-token batch against the engine's.
+                        "batch_ok": est_b.first_token_batch == h.first_token_batch - pub.batches,
+                        "batch_ok_ignored": est_i.first_token_batch
+                        == h.first_token_batch - pub.batches,
+                    }
+                )
+                assert h.plan.output_ids is not None
+                ids = [
+                    *ids,
+                    *h.plan.output_ids,
+                    *(rng.randrange(1, vocab) for _ in range(rng.randint(30, 300))),
+                ]
+                if len(ids) + 400 > eng.max_model_len:
+                    return
+                await anyio.sleep(rng.expovariate(4.0))
+
+        async with anyio.create_task_group() as tg:
+            for s in range(sessions):
+                tg.start_soon(session, s)
+        lag = eng.loop_stats
+    return _report(rows, profile, sessions, turns, lag)
+
+
+async def _published(eng: Any) -> None:
+    """Wait until the engine's latest snapshot describes its state now."""
+    with anyio.fail_after(10):
+        for _ in range(1_000_000):
+            if eng.snapshot_current:
+                return
+            await anyio.sleep(0.0005)
+
+
+def _mape(rows: list[dict[str, Any]], key: str) -> float:
+    return 100.0 * statistics.fmean(abs(r[key] - r["ttft"]) / r["ttft"] for r in rows)
+
+
+def _report(
+    rows: list[dict[str, Any]], profile: str, sessions: int, turns: int, lag: Any
+) -> dict[str, Any]:
+    later = [r for r in rows if r["turn"] > 0]
+    first = [r for r in rows if r["turn"] == 0]
+    out: dict[str, Any] = {
+        "profile": profile,
+        "sessions": sessions,
+        "turns": turns,
+        "requests": len(rows),
+        "median_ttft_ms": round(1e3 * statistics.median(r["ttft"] for r in rows), 2),
+        "mape_pct": {k: round(_mape(rows, k), 2) for k in ("blocks", "ignored")},
+        "first_token_batch_exact_pct": {
+            "blocks": round(100.0 * statistics.fmean(r["batch_ok"] for r in rows), 1),
+            "ignored": round(100.0 * statistics.fmean(r["batch_ok_ignored"] for r in rows), 1),
+        },
+        "mape_pct_later_turns": {k: round(_mape(later, k), 2) for k in ("blocks", "ignored")}
+        if later
+        else None,
+        "mape_pct_first_turns": {k: round(_mape(first, k), 2) for k in ("blocks", "ignored")}
+        if first
+        else None,
+    }
+    out["loop"] = {
+        k: getattr(lag, k) for k in ("steps", "lag_p99_ms", "lag_max_ms") if hasattr(lag, k)
+    }
+    return out
+
+
+def run(
+    sessions: int = 16, turns: int = 6, seed: int = 1, profile: str = "qwen3-8b-h100"
+) -> dict[str, Any]:
+    """Run the experiment; return the MAPEs of both estimates."""
+    return anyio.run(_run, sessions, turns, seed, profile)
+
+
+def _main(args: argparse.Namespace) -> int:
+    report = run(args.sessions, args.turns, args.seed, args.profile)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"BEA TTFT MAPE, multi-turn agent sessions on the emulator ({report['profile']}, "
+        f"prefix caching on, oracle lengths): {report['requests']} requests, "
+        f"{report['sessions']} sessions x up to {report['turns']} turns, median TTFT "
+        f"{report['median_ttft_ms']} ms"
+    )
+    for name, label in (
+        ("mape_pct", "all turns"),
+        ("mape_pct_later_turns", "turns 2+"),
+        ("mape_pct_first_turns", "first turns"),
+    ):
+        m = report[name]
+        if m:
+            print(
+                f"  {label:12s} with the blocks {m['blocks']:7.2f} %"
+                f"   cache ignored {m['ignored']:7.2f} %"
+            )
+    fb = report["first_token_batch_exact_pct"]
+    print(
+        f"  first-token batch exact: with the blocks {fb['blocks']} %, "
+        f"cache ignored {fb['ignored']} % of requests"
+    )
+    sys.stdout.flush()
+    return 0
+
+
+def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``prefix`` benchmark."""
+    p = bsub.add_parser(
+        "prefix", help="BEA TTFT MAPE with prefix caching on the emulator (agent sessions)"
+    )
+    p.add_argument("--sessions", type=positive_int, default=16, help="concurrent sessions")
+    p.add_argument("--turns", type=positive_int, default=6, help="turns per session")
+    p.add_argument("--seed", type=int, default=1, help="workload and engine seed")
+    p.add_argument("--profile", default="qwen3-8b-h100", help="emulator profile")
+    p.add_argument("--json", action="store_true", help="JSON report")
+    p.set_defaults(func=_main)
