@@ -46,3 +46,41 @@ def test_sample_covers_the_hard_parts() -> None:
 def test_replay_forms_vllms_batches(config: str) -> None:
     diffs = [f"{c['name']}: {d}" for c in CASES if _config(c) == config and (d := check(c))]
     assert not diffs, diffs[:3]
+
+
+def test_bearsdk_replay_cases_takes_the_extension_and_prefix_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import orjson
+
+    from bearsdk.cli import main
+
+    lines = []
+    want = {}
+    for c in CASES[::3]:
+        cfg = c["config"]
+        params = {
+            "max_num_batched_tokens": cfg["max_num_batched_tokens"],
+            "max_num_seqs": cfg["max_num_seqs"],
+            "max_model_len": cfg["max_model_len"],
+            "block_size": cfg["block_size"],
+            "num_gpu_blocks": cfg["num_blocks"],
+            "long_prefill_token_threshold": cfg["long_prefill_token_threshold"],
+            "watermark": cfg["watermark"],
+            "enable_chunked_prefill": not cfg["no_chunked_prefill"],
+            "async_scheduling": cfg["use_async"],
+            "enable_prefix_caching": cfg["prefix_caching"],
+        }
+        new = {k: c["new"][k] for k in ("prompt_tokens", "output_len", "max_tokens", "prefix_keys")}
+        lines.append(
+            {"case_id": c["name"], "scheduler": "vllm-v1", "params": params,
+             "snapshot": c["snapshot"], "new": new}
+        )  # fmt: skip
+        want[c["name"]] = len(c["vllm_batches"])
+    f = tmp_path / "cases.jsonl"
+    f.write_bytes(b"\n".join(orjson.dumps(x) for x in lines))
+    capsys.readouterr()
+    assert main(["replay", "--cases", str(f), "--json"]) == 0
+    out = capsys.readouterr().out.split()
+    got = {d["case_id"]: d["first_token_batch"] for d in map(orjson.loads, out)}
+    assert got == want

@@ -17,7 +17,7 @@ from typing import IO, Any
 import orjson
 
 from bearsdk.cli import positive_int, scheduler_arg
-from bearsdk.errors import BearError
+from bearsdk.errors import BearError, short_repr
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
 from bearsdk.estimators.length import MeanLengthPredictor
@@ -26,7 +26,8 @@ from bearsdk.snapshot import decode_snapshot, snapshot_from_dict
 
 __all__ = ["register", "replay_case"]
 
-_NEW_KEYS = frozenset({"prompt_tokens", "output_len", "max_tokens", "id"})
+_NEW_KEYS = frozenset({"prompt_tokens", "output_len", "max_tokens", "id", "prefix_keys"})
+_MAX_PREFIX_KEYS = 1 << 20  # far beyond any prompt's blocks
 
 
 class CaseError(BearError, ValueError):
@@ -144,6 +145,16 @@ def replay_case(
     max_tokens = new.get("max_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise CaseError(f"new.max_tokens must be an integer >= 1 (got {max_tokens!r})")
+    prefix_keys = new.get("prefix_keys")
+    if prefix_keys is not None and (
+        not isinstance(prefix_keys, list)
+        or len(prefix_keys) > _MAX_PREFIX_KEYS
+        or not all(type(k) is int and 0 <= k < 1 << 63 for k in prefix_keys)
+    ):
+        raise CaseError(
+            "new.prefix_keys must be a list of integers in [0, 2**63) "
+            f"(got {short_repr(prefix_keys)})"
+        )
     scheduler = case["scheduler"]
     if not isinstance(scheduler, str):
         raise CaseError(f"scheduler must be a name (got {scheduler!r})")
@@ -155,7 +166,7 @@ def replay_case(
         MeanLengthPredictor(mean=mean_output_len),
         implementation=impl,
     )
-    res = est.estimate(snap, prompt, out_len, max_tokens=max_tokens)
+    res = est.estimate(snap, prompt, out_len, max_tokens=max_tokens, prefix_keys=prefix_keys)
     return {
         "case_id": case.get("case_id"),
         "first_token_batch": res.first_token_batch,
