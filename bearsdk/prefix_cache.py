@@ -47,6 +47,7 @@ __all__ = [
     "REQUEST_FIELDS",
     "PrefixCacheState",
     "prefix_cache_from_dict",
+    "runs",
 ]
 
 KEY_LIMIT: Final = 1 << 63
@@ -86,11 +87,11 @@ class PrefixCacheState:
         """The wire fields of request ``i`` (only those it has)."""
         d: dict[str, Any] = {}
         if self.blocks[i]:
-            d["blocks"] = _runs(self.blocks[i])
+            d["blocks"] = runs(self.blocks[i])
         if self.uncached[i]:
             d["uncached_blocks"] = self.uncached[i]
         if self.chains[i]:
-            d["chain"] = _runs(self.chains[i])
+            d["chain"] = runs(self.chains[i])
         return d
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,8 +99,8 @@ class PrefixCacheState:
         return {"keys": list(self.keys), "cached": self.cached, "free": list(self.free)}
 
 
-def _runs(ix: Sequence[int]) -> list[list[int]]:
-    """``[start, count]`` runs of consecutive indices."""
+def runs(ix: Sequence[int]) -> list[list[int]]:
+    """``[start, count]`` runs of consecutive indices (the wire form of a block list)."""
     out: list[list[int]] = []
     for i in ix:
         if out and out[-1][0] + out[-1][1] == i:
@@ -136,11 +137,11 @@ class _Budget:
 
 def _expand(v: object, field: str, stop: int, budget: _Budget) -> tuple[int, ...]:
     """Indices of ``[start, count]`` runs, each in ``[0, stop)``, none twice."""
-    runs = _list(v, field)
-    if runs and stop == 0:
+    items = _list(v, field)
+    if items and stop == 0:
         raise SnapshotError(field, "must be empty: there is nothing to name", v)
     out: list[int] = []
-    for j, run in enumerate(runs):
+    for j, run in enumerate(items):
         where = f"{field}[{j}]"
         if (
             not isinstance(run, Sequence)
@@ -159,7 +160,7 @@ def _expand(v: object, field: str, stop: int, budget: _Budget) -> tuple[int, ...
             )
         out.extend(range(start, start + count))
     if len(set(out)) != len(out):
-        raise SnapshotError(field, "names a block twice", _runs(out))
+        raise SnapshotError(field, "names a block twice", runs(out))
     return tuple(out)
 
 
@@ -260,7 +261,7 @@ def prefix_cache_from_dict(
                 raise SnapshotError(
                     f"{where}.blocks",
                     f"holds {len(mine)} cached blocks, more than its computed tokens fill",
-                    _runs(mine),
+                    runs(mine),
                 )
             both = in_free.intersection(mine)
             if both:
@@ -272,7 +273,7 @@ def prefix_cache_from_dict(
             raise SnapshotError(
                 f"{where}.blocks" if mine else f"{where}.uncached_blocks",
                 "must be empty for a waiting request (it holds no blocks)",
-                _runs(mine) if mine else n_un,
+                runs(mine) if mine else n_un,
             )
         chain: tuple[int, ...] = ()
         if "chain" in r:
@@ -282,7 +283,7 @@ def prefix_cache_from_dict(
                     f"{where}.chain",
                     f"with its cached blocks names {len(mine) + len(chain)} full blocks, more "
                     f"than its {row[1] + row[3]} tokens fill",
-                    _runs(chain),
+                    runs(chain),
                 )
         held.update(mine)
         private += n_un

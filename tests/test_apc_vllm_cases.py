@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from oracle.apc_live import vllm_v1_params
 from oracle.apc_replay import check, load
 
 CASES = load(str(Path(__file__).parent / "data" / "apc_vllm_cases.jsonl.gz"))
@@ -58,19 +59,7 @@ def test_bearsdk_replay_cases_takes_the_extension_and_prefix_keys(
     lines = []
     want = {}
     for c in CASES[::3]:
-        cfg = c["config"]
-        params = {
-            "max_num_batched_tokens": cfg["max_num_batched_tokens"],
-            "max_num_seqs": cfg["max_num_seqs"],
-            "max_model_len": cfg["max_model_len"],
-            "block_size": cfg["block_size"],
-            "num_gpu_blocks": cfg["num_blocks"],
-            "long_prefill_token_threshold": cfg["long_prefill_token_threshold"],
-            "watermark": cfg["watermark"],
-            "enable_chunked_prefill": not cfg["no_chunked_prefill"],
-            "async_scheduling": cfg["use_async"],
-            "enable_prefix_caching": cfg["prefix_caching"],
-        }
+        params = vllm_v1_params(c["config"])
         new = {k: c["new"][k] for k in ("prompt_tokens", "output_len", "max_tokens", "prefix_keys")}
         lines.append(
             {"case_id": c["name"], "scheduler": "vllm-v1", "params": params,

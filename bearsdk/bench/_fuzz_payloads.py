@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import orjson
 
+from bearsdk.prefix_cache import runs
+
 __all__ = ["T0", "payload"]
 
 T0: Final = 1.0e9  # a frozen clock: snapshots stay fresh, estimates are functions of state
@@ -42,16 +44,6 @@ _CACHE_FIELDS: Final = ("keys", "cached", "free")
 _CACHE_REQ_FIELDS: Final = ("blocks", "uncached_blocks", "chain")
 
 
-def _runs(ix: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in ix:
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1][1] += 1
-        else:
-            out.append([i, 1])
-    return out
-
-
 def _prefix_cache(rng: random.Random, doc: dict[str, Any]) -> None:
     """Give a valid document a valid ``kv.prefix_cache``: shared, cached and free blocks."""
     kv = doc["kv"]
@@ -68,7 +60,7 @@ def _prefix_cache(rng: random.Random, doc: dict[str, Any]) -> None:
         mine = prev[:share] + list(range(len(keys), len(keys) + n - share))
         keys.extend(rng.getrandbits(63) for _ in range(n - share))
         if mine:
-            r["blocks"] = _runs(mine)
+            r["blocks"] = runs(mine)
         if held > n:
             r["uncached_blocks"] = held - n
         prev = mine

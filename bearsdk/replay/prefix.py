@@ -12,22 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bearsdk.prefix_cache import runs
 from bearsdk.replay.blocks import KEY_MASK, BlockPool
 
 if TYPE_CHECKING:
     from bearsdk.prefix_cache import PrefixCacheState
 
 __all__ = ["RestoredBlocks", "export", "restore"]
-
-
-def _runs(ix: Sequence[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in ix:
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1][1] += 1
-        else:
-            out.append([i, 1])
-    return out
 
 
 def export(
@@ -78,11 +69,11 @@ def export(
             chain.append(at)
         d: dict[str, Any] = {}
         if mine:
-            d["blocks"] = _runs(mine)
+            d["blocks"] = runs(mine)
         if len(held) > cached:
             d["uncached_blocks"] = len(held) - cached
         if chain:
-            d["chain"] = _runs(chain)
+            d["chain"] = runs(chain)
         fields.append(d)
     return {"keys": keys, "cached": len(entries), "free": free}, fields
 

@@ -573,24 +573,27 @@ class SchedulerCore:
             self.waiting.appendleft(r)
         return budget
 
+    def _watermark(self) -> int:
+        """Blocks an admission must leave free."""
+        applies = self.p.watermark_applies
+        if applies == "always" or (applies == "while-running" and self.running):
+            return self.geo.watermark_blocks
+        return 0
+
+    def _full_tokens(self, r: Req) -> int:
+        """Tokens the whole-sequence admission check sizes."""
+        mml = self.geo.max_model_len
+        return r.num_tokens if not mml else min(r.num_tokens, mml)
+
     def reserve(self, r: Req, n: int) -> bool:
         """KV admission check and allocation for a waiting request's first chunk."""
         if self.unlimited:
             return True
         p = self.p
         bs = self.geo.block_size
-        applies = p.watermark_applies
-        wm = (
-            self.geo.watermark_blocks
-            if applies == "always" or (applies == "while-running" and self.running)
-            else 0
-        )
+        wm = self._watermark()
         if p.reserve_full_sequence:
-            full = (
-                r.num_tokens
-                if not self.geo.max_model_len
-                else min(r.num_tokens, self.geo.max_model_len)
-            )
+            full = self._full_tokens(r)
             if cdiv(full, bs) + wm > self.free:
                 return False
         need = max(cdiv(n, bs), cdiv(self.geo.reserve_tokens(r), bs))
@@ -611,19 +614,10 @@ class SchedulerCore:
         assert pool is not None
         p = self.p
         bs = self.geo.block_size
-        applies = p.watermark_applies
-        wm = (
-            self.geo.watermark_blocks
-            if applies == "always" or (applies == "while-running" and self.running)
-            else 0
-        )
+        wm = self._watermark()
         evictable = pool.evictable(hit)
         if p.reserve_full_sequence:
-            full = (
-                r.num_tokens
-                if not self.geo.max_model_len
-                else min(r.num_tokens, self.geo.max_model_len)
-            )
+            full = self._full_tokens(r)
             if max(cdiv(full, bs) - len(hit), 0) + evictable + wm > self.free:
                 return False
         hit_tokens = len(hit) * bs

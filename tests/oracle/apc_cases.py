@@ -40,6 +40,7 @@ def key_of(h: bytes) -> int:
 
 
 def _runs(ix: list[int]) -> list[list[int]]:
+    # bearsdk.prefix_cache.runs, again: this script runs where bearsdk is not installed.
     out: list[list[int]] = []
     for i in ix:
         if out and out[-1][0] + out[-1][1] == i:

@@ -22,28 +22,34 @@ import json
 from pathlib import Path
 from typing import Any
 
+try:
+    from oracle import apc_drive
+except ImportError:  # run as a script: this folder, not tests/, is on the path
+    import apc_drive  # type: ignore[no-redef]
+
 from bearsdk.replay.scheduler import SchedulerCore
 from bearsdk.schedulers import bind_scheduler
 
 
+def vllm_v1_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The vllm-v1 spec's parameters for an apc_drive engine config."""
+    return {
+        "max_num_batched_tokens": cfg["max_num_batched_tokens"],
+        "max_num_seqs": cfg["max_num_seqs"],
+        "max_model_len": cfg["max_model_len"],
+        "block_size": cfg["block_size"],
+        "num_gpu_blocks": cfg["num_blocks"],
+        "long_prefill_token_threshold": cfg["long_prefill_token_threshold"],
+        "watermark": cfg["watermark"],
+        "enable_chunked_prefill": not cfg["no_chunked_prefill"],
+        "async_scheduling": cfg["use_async"],
+        "enable_prefix_caching": cfg["prefix_caching"],
+    }
+
+
 def core_for(cfg: dict[str, Any]) -> SchedulerCore:
     """The vllm-v1 scheduler bound to an apc_drive engine config."""
-    policy = bind_scheduler(
-        "vllm-v1",
-        dict(
-            max_num_batched_tokens=cfg["max_num_batched_tokens"],
-            max_num_seqs=cfg["max_num_seqs"],
-            max_model_len=cfg["max_model_len"],
-            block_size=cfg["block_size"],
-            num_gpu_blocks=cfg["num_blocks"],
-            long_prefill_token_threshold=cfg["long_prefill_token_threshold"],
-            watermark=cfg["watermark"],
-            enable_chunked_prefill=not cfg["no_chunked_prefill"],
-            async_scheduling=cfg["use_async"],
-            enable_prefix_caching=cfg["prefix_caching"],
-        ),
-    )
-    return SchedulerCore(policy)
+    return SchedulerCore(bind_scheduler("vllm-v1", vllm_v1_params(cfg)))
 
 
 class LiveDriver:
@@ -153,24 +159,8 @@ def compare(oracle: dict[str, Any], live: dict[str, Any]) -> str | None:
 
 def check_case(case: dict[str, Any]) -> str | None:
     """Run one recorded case through bearsdk; the first difference or ``None``."""
-    cfg = {**apc_drive_defaults(), **case["config"]}
+    cfg = {**apc_drive.DEFAULTS, **case["config"]}
     return compare(case, LiveDriver(cfg, case["workload"]).run())
-
-
-def apc_drive_defaults() -> dict[str, Any]:
-    """apc_drive.DEFAULTS without importing it (it needs vllm only to run)."""
-    return {
-        "max_num_batched_tokens": 512,
-        "max_num_seqs": 8,
-        "max_model_len": 4096,
-        "block_size": 16,
-        "num_blocks": 1000,
-        "long_prefill_token_threshold": 0,
-        "watermark": 0.0,
-        "prefix_caching": True,
-        "no_chunked_prefill": False,
-        "use_async": False,
-    }
 
 
 def write_fixture(cases: list[dict[str, Any]], out: str, per_kind: int) -> int:

@@ -23,23 +23,14 @@ from bearsdk.replay.scheduler import SchedulerCore
 from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
+try:
+    from oracle.apc_live import vllm_v1_params
+except ImportError:  # run as a script: this folder, not tests/, is on the path
+    from apc_live import vllm_v1_params  # type: ignore[no-redef]
+
 
 def _policy(cfg: dict[str, Any]) -> Any:
-    return bind_scheduler(
-        "vllm-v1",
-        {
-            "max_num_batched_tokens": cfg["max_num_batched_tokens"],
-            "max_num_seqs": cfg["max_num_seqs"],
-            "max_model_len": cfg["max_model_len"],
-            "block_size": cfg["block_size"],
-            "num_gpu_blocks": cfg["num_blocks"],
-            "long_prefill_token_threshold": cfg["long_prefill_token_threshold"],
-            "watermark": cfg["watermark"],
-            "enable_chunked_prefill": not cfg["no_chunked_prefill"],
-            "async_scheduling": cfg["use_async"],
-            "enable_prefix_caching": cfg["prefix_caching"],
-        },
-    )
+    return bind_scheduler("vllm-v1", vllm_v1_params(cfg))
 
 
 def replay_batches(case: dict[str, Any]) -> list[dict[str, list[int]]]:
