@@ -459,9 +459,12 @@ class SchedulerCore:
                 r.blocks += need
                 if self.pool is not None:
                     c = cast(CachedReq, r)
-                    c.block_ids = c.block_ids + self.pool.allocate(need)
-                    self.free = self.pool.num_free
-                    self._cache(c, r.computed + n)
+                    if need:
+                        # A new list: clones of a prepared state share the old one.
+                        c.block_ids = c.block_ids + self.pool.allocate(need)
+                        self.free = self.pool.num_free
+                    if min(r.computed + n, r.num_tokens) // self.geo.block_size > c.cached_blocks:
+                        self._cache(c, r.computed + n)
                 elif not self.unlimited:
                     self.free -= need
                 return True, budget
@@ -666,6 +669,7 @@ class SchedulerCore:
         """Apply a batch's outputs: deliver sampled tokens, finish requests."""
         out = StepOutput()
         async_ = self.geo.depth > 1
+        bs = self.geo.block_size
         for r, n in b.sched.items():
             r.inflight -= n
         for r, n in b.carried.items():
@@ -692,7 +696,9 @@ class SchedulerCore:
                 if self.pool is not None:
                     # The token just landed completes blocks that were computed
                     # while it was in flight: they become findable now.
-                    self._cache(cast(CachedReq, r), r.computed - r.inflight)
+                    c = cast(CachedReq, r)
+                    if min(r.computed - r.inflight, r.num_tokens) // bs > c.cached_blocks:
+                        self._cache(c, r.computed - r.inflight)
             if r.outputs >= r.target:
                 r.status = FINISHED
                 self._free_blocks(r)
