@@ -17,6 +17,7 @@ from setuptools import setup
 # Module name -> Cython source. The module lands next to its pure-Python twin.
 EXTENSIONS = {
     "bearsdk.replay._replay_c": "cext/_replay_c.pyx",
+    "bearsdk.replay._replay_apc_c": "cext/_replay_apc_c.pyx",
     "bearsdk.predictors._features_c": "cext/_features_c.pyx",
     "bearsdk._snapshot_c": "cext/_snapshot_c.pyx",
     "bearsdk.io._shm_c": "cext/_shm_c.pyx",

@@ -30,6 +30,8 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 
 import numpy as np
 
+from bearsdk.replay import _replay_apc_c
+
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK as _MAX_REPLAY_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
     StopReason, check_policy, check_running, check_table,
@@ -1543,6 +1545,8 @@ cdef class Replayer:
     cdef readonly object policy
     cdef State st
     cdef public bint force_slow
+    cdef object _apc
+    cdef bint _last_apc
     implementation = IMPLEMENTATION
 
     def __cinit__(self):
@@ -1582,6 +1586,8 @@ cdef class Replayer:
         alloc = {"on-demand": 0, "prompt": 1, "max-length": 2}[p.allocate]
         self.code = alloc * 4 + (2 if p.async_scheduling else 0) + (1 if p.budget_count == "padded" else 0)
         self.force_slow = False
+        # A snapshot with its block pool replays block by block (_replay_apc_c).
+        self._apc = _replay_apc_c.Replayer(p) if p.prefix_caching else None
 
     def __dealloc__(self):
         cdef State* st = &self.st
@@ -1608,11 +1614,15 @@ cdef class Replayer:
 
     # -- preparation -----------------------------------------------------------
 
-    def prepare(self, table, long long free_blocks=-1, ids=None):
+    def prepare(self, table, long long free_blocks=-1, ids=None, cache=None):
         """Turn a snapshot table (output lengths resolved) into replay state.
 
-        Same contract as the pure-Python twin's ``prepare``.
+        Same contract as the pure-Python twin's ``prepare``: with ``cache`` (the
+        snapshot's ``kv.prefix_cache``) a prefix-caching policy replays the
+        snapshot's blocks one by one.
         """
+        if cache is not None and self._apc is not None:
+            return self._apc.prepare(table, free_blocks, ids, cache)
         tab = np.ascontiguousarray(table, dtype=np.int64)
         if tab.ndim != 2 or tab.shape[1] != NCOLS:
             raise ValueError(f"table must have shape (n, {NCOLS}) (got {tab.shape})")
@@ -1912,8 +1922,12 @@ cdef class Replayer:
                 samp_add(b0, pr.b0_samp[i], 0, pr.r[pr.b0_samp[i]].ph)  # gen 0: as prepared
         return 0
 
-    def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1):
+    def ttft(self, prepared, prompt_tokens, output_len, coeffs, max_tokens=-1, prefix_keys=None):
         """Return only the predicted time to first token (``inf`` when never)."""
+        self._last_apc = type(prepared) is not Prepared
+        if self._last_apc:
+            return self._apc_of(prepared).ttft(
+                prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
         cdef int rc
         with nogil:
@@ -1921,14 +1935,21 @@ cdef class Replayer:
         # At the work bound: the time replayed so far, a lower bound (as replay()).
         return self.st.t if rc != R_NEVER else INFINITY
 
-    def replay(self, Prepared prepared, prompt_tokens, output_len,
+    def replay(self, prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1, max_work=None):
+               max_tokens=-1, max_work=None, prefix_keys=None):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``; ``max_work`` counts
-        this loop's units (default :data:`~bearsdk.replay.types.MAX_REPLAY_WORK`).
+        this loop's units (default :data:`~bearsdk.replay.types.MAX_REPLAY_WORK`),
+        or the twin's for a snapshot prepared with its blocks. ``prefix_keys``
+        matter only there (a counted replay has no cache to hit).
         """
+        self._last_apc = type(prepared) is not Prepared
+        if self._last_apc:
+            return self._apc_of(prepared).replay(
+                prepared, prompt_tokens, output_len, coeffs, record, max_batches, max_tokens,
+                max_work, prefix_keys)
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         cdef int64_t work = check_tokens(
             _MAX_REPLAY_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
@@ -1946,10 +1967,15 @@ cdef class Replayer:
             return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
 
+    cdef object _apc_of(self, prepared):
+        if self._apc is None or type(prepared) is not _replay_apc_c.Prepared:
+            raise TypeError(f"prepared state of another replay ({type(prepared).__name__})")
+        return self._apc
+
     @property
     def last_work(self):
         """Work units (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`) of the latest replay."""
-        return self.st.work
+        return self._apc.last_work if self._last_apc else self.st.work
 
     cdef list _records(self):
         cdef State* st = &self.st

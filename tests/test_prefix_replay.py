@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import bearsdk
 from bearsdk.errors import SnapshotError
-from bearsdk.replay import ScheduledBatch, SchedulerCore
+from bearsdk.replay import ScheduledBatch, SchedulerCore, implementations
 from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.replay.blocks import chain_keys
 from bearsdk.snapshot import decoders, snapshot_from_dict
@@ -141,16 +141,25 @@ def test_replay_of_a_prefix_cache_snapshot_predicts_the_engine(
     assert "new" in eng.first_token
     want = eng.batches[step0 : eng.first_token["new"]]
 
-    rp = PyReplayer(pol)
     assert snap.kv is not None
-    prepared = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
-    res = rp.replay(
-        prepared, plen, 3, record=True, max_tokens=3, prefix_keys=chain_keys(prompt, BS)
-    )
-    assert res.batches is not None
-    got = [dict(b.tokens_by_request) for b in res.batches]
-    assert [{k.replace("<new>", "new"): v for k, v in b.items()} for b in got] == want
-    assert res.first_token_batch == eng.first_token["new"] - step0
+    coeffs = (3e-3, 2e-5, 4e-8, 1e-9)
+    results = []
+    for impl, make in implementations().items():
+        rp = make(pol)
+        prepared = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        keys = chain_keys(prompt, BS)
+        res = rp.replay(prepared, plen, 3, coeffs, record=True, max_tokens=3, prefix_keys=keys)
+        assert res.batches is not None
+        got = [dict(b.tokens_by_request or ()) for b in res.batches]
+        assert [{k.replace("<new>", "new"): v for k, v in b.items()} for b in got] == want, impl
+        assert res.first_token_batch == eng.first_token["new"] - step0
+        # A prepared state is a template: replaying it again gives the same answer.
+        again = rp.replay(prepared, plen, 3, coeffs, record=True, max_tokens=3, prefix_keys=keys)
+        assert again == res
+        assert rp.ttft(prepared, plen, 3, coeffs, 3, prefix_keys=keys) == res.ttft_s
+        results.append(res)
+    # Both twins sum the same eq. 12 terms in the same order: the same float.
+    assert len({r.ttft_s for r in results}) == 1
 
 
 def _apc_doc() -> dict[str, object]:
@@ -317,5 +326,8 @@ def test_a_huge_empty_pool_costs_nothing_to_prepare_and_replay() -> None:
     assert prep.pool is not None
     assert prep.pool.num_free == 2**24 - 1
     assert len(prep.pool.free_queue()) == 1
-    res = rp.replay(prep, 5000, 10, prefix_keys=[1, 2, 3])
-    assert res.first_token_batch == 3  # 2048-token chunks
+    for make in implementations().values():
+        rp = make(pol)
+        prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        res = rp.replay(prep, 5000, 10, prefix_keys=[1, 2, 3])
+        assert res.first_token_batch == 3  # 2048-token chunks

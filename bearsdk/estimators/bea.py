@@ -18,7 +18,6 @@ import attrs
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
-from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.replay.types import BatchRecord, StopReason
 from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
 from bearsdk.snapshot import Snapshot
@@ -61,13 +60,6 @@ class TTFTEstimate:
         flight), and the true TTFT is at least that.
         """
         return self.stop_reason is StopReason.BATCH_LIMIT
-
-
-def _prefix(prep: PreparedSnapshot, keys: Sequence[int] | None) -> dict[str, Any]:
-    """The replay's ``prefix_keys`` argument, for a state that has a block pool."""
-    if keys is None or getattr(prep.state, "pool", None) is None:
-        return {}
-    return {"prefix_keys": keys}
 
 
 @attrs.frozen(eq=False)
@@ -126,8 +118,7 @@ class BEAEstimator:
 
         The snapshot's KV geometry (when present) overrides the policy's. A
         prefix-caching policy given a snapshot with ``kv.prefix_cache`` replays
-        its blocks one by one; the compiled loop does not model the cache yet,
-        so that replay runs in the pure-Python twin (``docs/prefix-caching.md``).
+        its blocks one by one (``docs/prefix-caching.md``).
         """
         pol = self.policy
         free = -1
@@ -135,14 +126,8 @@ class BEAEstimator:
             pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
             free = snapshot.kv.free_blocks
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
-        replayer: Replayer
-        if pol.prefix_caching and snapshot.prefix_cache is not None:
-            twin = PyReplayer(pol)
-            state: Any = twin.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-            replayer = twin
-        else:
-            replayer = compile_scheduler(pol, self.implementation)
-            state = replayer.prepare(table, free, snapshot.ids)
+        replayer = compile_scheduler(pol, self.implementation)
+        state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
         return PreparedSnapshot(snapshot, replayer, state)
 
     def estimate(
@@ -188,7 +173,7 @@ class BEAEstimator:
             _replay_coeffs(self.batch_time),
             record=explain,
             max_tokens=-1 if max_tokens is None else max_tokens,
-            **_prefix(prep, prefix_keys),
+            prefix_keys=prefix_keys,
         )
         inflight = prep.snapshot.inflight_remaining_s or 0.0
         return TTFTEstimate(
@@ -227,6 +212,6 @@ class BEAEstimator:
             max(1, output_len),
             self._coeffs,
             -1 if max_tokens is None else max_tokens,
-            **_prefix(prepared, prefix_keys),
+            prefix_keys=prefix_keys,
         )
         return t + (prepared.snapshot.inflight_remaining_s or 0.0)

@@ -4,6 +4,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.prefix_cache import PrefixCacheState
+from bearsdk.replay import _replay_apc_c
 from bearsdk.replay.types import ReplayResult
 from bearsdk.schedulers.spec import Policy
 
@@ -24,18 +26,20 @@ class Replayer:
         table: npt.NDArray[np.int64],
         free_blocks: int = -1,
         ids: Sequence[str] | None = None,
-    ) -> Prepared: ...
+        cache: PrefixCacheState | None = None,
+    ) -> Prepared | _replay_apc_c.Prepared: ...
     def ttft(
         self,
-        prepared: Prepared,
+        prepared: Prepared | _replay_apc_c.Prepared,
         prompt_tokens: int,
         output_len: int,
         coeffs: Sequence[float],
         max_tokens: int = -1,
+        prefix_keys: Sequence[int] | None = None,
     ) -> float: ...
     def replay(
         self,
-        prepared: Prepared,
+        prepared: Prepared | _replay_apc_c.Prepared,
         prompt_tokens: int,
         output_len: int,
         coeffs: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
@@ -43,4 +47,5 @@ class Replayer:
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
         max_work: int | None = None,
+        prefix_keys: Sequence[int] | None = None,
     ) -> ReplayResult: ...

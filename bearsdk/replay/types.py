@@ -15,6 +15,7 @@ from bearsdk.errors import short_repr
 from bearsdk.snapshot import COLUMNS
 
 if TYPE_CHECKING:
+    from bearsdk.prefix_cache import PrefixCacheState
     from bearsdk.schedulers.spec import Policy
 
 __all__ = [
@@ -257,8 +258,13 @@ class ReplayerProtocol(Protocol):
         table: npt.NDArray[np.int64],
         free_blocks: int = -1,
         ids: Sequence[str] | None = None,
+        cache: PrefixCacheState | None = None,
     ) -> Any:
-        """Turn a snapshot table (output lengths resolved) into replay state."""
+        """Turn a snapshot table (output lengths resolved) into replay state.
+
+        With ``cache`` (the snapshot's ``kv.prefix_cache``) a prefix-caching
+        policy replays the snapshot's blocks one by one.
+        """
         ...
 
     def ttft(
@@ -268,6 +274,7 @@ class ReplayerProtocol(Protocol):
         output_len: int,
         coeffs: Sequence[float],
         max_tokens: int = -1,
+        prefix_keys: Sequence[int] | None = None,
     ) -> float:
         """Predicted time to first token only (``inf`` when never)."""
         ...
@@ -282,6 +289,7 @@ class ReplayerProtocol(Protocol):
         max_batches: int = 1_000_000,
         max_tokens: int = -1,
         max_work: int | None = None,
+        prefix_keys: Sequence[int] | None = None,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token."""
         ...

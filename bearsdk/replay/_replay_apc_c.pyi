@@ -1,0 +1,56 @@
+# Type stub of the compiled prefix-caching replay (cext/_replay_apc_c.pyx).
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from bearsdk.prefix_cache import PrefixCacheState
+from bearsdk.replay.types import ReplayResult
+from bearsdk.schedulers.spec import Policy
+
+IMPLEMENTATION: str
+
+class Prepared:
+    @property
+    def free_blocks(self) -> int: ...
+    def __len__(self) -> int: ...
+
+class Replayer:
+    implementation: str
+    policy: Policy
+    @property
+    def last_work(self) -> int: ...
+    @property
+    def last_pool(self) -> tuple[int, int, int, int]: ...
+    def __init__(self, policy: Policy) -> None: ...
+    def last_blocks(
+        self,
+    ) -> tuple[list[int], list[int | None], list[tuple[int, int | None]]]: ...
+    def prepare(
+        self,
+        table: npt.NDArray[np.int64],
+        free_blocks: int = -1,
+        ids: Sequence[str] | None = None,
+        cache: PrefixCacheState | None = None,
+    ) -> Prepared: ...
+    def ttft(
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float],
+        max_tokens: int = -1,
+        prefix_keys: Sequence[int] | None = None,
+    ) -> float: ...
+    def replay(
+        self,
+        prepared: Prepared,
+        prompt_tokens: int,
+        output_len: int,
+        coeffs: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+        record: bool = False,
+        max_batches: int = 1_000_000,
+        max_tokens: int = -1,
+        max_work: int | None = None,
+        prefix_keys: Sequence[int] | None = None,
+    ) -> ReplayResult: ...

@@ -1,0 +1,173 @@
+"""The compiled prefix-caching replay is the pure twin, block for block.
+
+``cext/_replay_apc_c.pyx`` ports :class:`~bearsdk.replay.SchedulerCore` and
+:class:`~bearsdk.replay.blocks.BlockPool` to C. Beyond forming the same batches
+(test_prefix_replay.py, and vLLM's own states in test_apc_vllm_cases.py), its
+pool must be the twin's wherever a replay stops: every block's holders and
+content, and the free queue in eviction order, so that a rule broken in a way
+the first token does not show yet (where a freed block goes, which one an
+allocation evicts) still fails here.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import cast
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_prefix_replay import POLICIES, Engine, policy, tokens
+
+import bearsdk
+from bearsdk.replay import SchedulerCore
+from bearsdk.replay._replay_apc_c import Replayer as ApcReplayer
+from bearsdk.replay._replay_py import Replayer as PyReplayer
+from bearsdk.replay.blocks import chain_keys
+from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry
+from bearsdk.snapshot import snapshot_from_dict
+
+COEFFS = (3e-3, 2e-5, 4e-8, 1e-9)
+
+
+def _content(k: int | None) -> int | str | None:
+    # Keys of content only one request has are the replay's own serials; the
+    # twins number them differently (the pure one at lookup, the compiled one
+    # when the block is cached), and only their distinctness matters.
+    return "own" if k is not None and k < 0 else k
+
+
+def _pure_pool(core: SchedulerCore) -> tuple[list[int], list[object], list[tuple[int, object]]]:
+    pool = core.pool
+    assert pool is not None
+    n = len(pool._ref)
+    keys = [_content(pool.key_of(b)) for b in range(n)]
+    return (
+        [pool.held(b) for b in range(n)],
+        keys,
+        [(e, _content(k)) for e, k in pool.free_queue()],
+    )
+
+
+def _run_engine(name: str, arrivals: list[tuple[int, int, int, int, int]], at: int, seed: int):
+    rng = random.Random(seed)
+    pol = policy(name)
+    eng = Engine(SchedulerCore(pol), 2 if pol.async_scheduling else 1)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i = 0
+    for step in range(at):
+        while i < len(pending) and pending[i][0] <= step:
+            _, pfx, shared, plen, out = pending[i]
+            ids = tokens(rng, pfx, shared, plen) + [
+                rng.randrange(5000, 100_000) for _ in range(out)
+            ]
+            eng.core.add_request(f"r{i}", plen, out, out, token_ids=ids)
+            i += 1
+        if eng.core.has_work() or eng.queue:
+            eng.tick()
+    doc = orjson.loads(orjson.dumps(eng.core.snapshot(output_len=True)))
+    return pol, rng, snapshot_from_dict(doc)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(POLICIES)),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 10),
+            st.integers(0, 2),
+            st.integers(0, 400),
+            st.integers(1, 300),
+            st.integers(1, 60),
+        ),
+        max_size=16,
+    ),
+    at=st.integers(0, 60),
+    news=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400), st.integers(1, 40)),
+        min_size=1,
+        max_size=3,
+    ),
+    stop_after=st.integers(1, 60),
+    seed=st.integers(0, 2**16),
+)
+def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
+    name: str,
+    arrivals: list[tuple[int, int, int, int, int]],
+    at: int,
+    news: list[tuple[int, int, int, int]],
+    stop_after: int,
+    seed: int,
+) -> None:
+    pol, rng, snap = _run_engine(name, arrivals, at, seed)
+    assert snap.kv is not None
+    assert snap.prefix_cache is not None
+    geo = PolicyGeometry(pol)
+    py = PyReplayer(pol)
+    pp = py.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    cr = ApcReplayer(pol)
+    cp = cr.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    assert cp.free_blocks == pp.free_blocks
+    assert len(cp) == len(pp)
+    # Several new requests against one prepared state: each replay starts from it.
+    for pfx, shared, plen, out in news:
+        keys = chain_keys(tokens(rng, pfx, shared, plen), pol.block_size)
+        for limit in (stop_after, 1_000_000):
+            core = SchedulerCore.from_prepared(geo, pp, True, COEFFS)
+            new = cast(CachedReq, geo.make_req(NEW_REQUEST_ID, plen, 0, out, -1, CachedReq))
+            new.keys = keys[: plen // pol.block_size]
+            core.waiting.append(new)
+            want = core.go(new, limit, 10**9)
+            got = cr.replay(cp, plen, out, COEFFS, record=True, max_batches=limit, prefix_keys=keys)
+            assert got == want
+            assert got.batches is not None
+            assert want.batches is not None
+            assert [b.tokens_by_request for b in got.batches] == [
+                b.tokens_by_request for b in want.batches
+            ]
+            assert got.ttft_s == want.ttft_s
+            refs, bkeys, free = cr.last_blocks()
+            assert (refs, [_content(k) for k in bkeys], [(e, _content(k)) for e, k in free]) == (
+                _pure_pool(core)
+            )
+            assert cr.last_pool == (
+                core.pool.num_free if core.pool else 0,
+                len(core.running),
+                len(core.waiting),
+                len(refs),
+            )
+            assert cr.last_work > 0
+
+
+def test_a_replay_that_names_blocks_from_a_run_and_evicts_matches_the_twin() -> None:
+    # A scarce pool, long prompts sharing one prefix: every replay evicts.
+    arrivals = [(s, 0, 320, 300, 30) for s in range(0, 12, 2)]
+    pol, rng, snap = _run_engine("sync-scarce", arrivals, 25, 7)
+    assert snap.kv is not None
+    assert snap.prefix_cache is not None
+    assert snap.prefix_cache.cached > 0
+    keys = chain_keys(tokens(rng, 0, 400, 400), pol.block_size)
+    out = {}
+    for make in (PyReplayer, ApcReplayer):
+        rp = make(pol)
+        prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        out[make] = rp.replay(prep, 400, 5, COEFFS, record=True, prefix_keys=keys)
+    assert out[PyReplayer] == out[ApcReplayer]
+    assert out[PyReplayer].first_token_batch > 3
+
+
+def test_bad_prefix_keys_and_foreign_states_are_refused() -> None:
+    pol, _, snap = _run_engine("async-roomy", [(0, 1, 200, 200, 5)], 6, 1)
+    assert snap.kv is not None
+    cr = ApcReplayer(pol)
+    cp = cr.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    with pytest.raises(ValueError, match=r"prefix_keys\[1\] must be an integer in \[0, 2\*\*63\)"):
+        cr.replay(cp, 100, 3, prefix_keys=[1, -5])
+    with pytest.raises(ValueError, match=r"prefix_keys\[0\]"):
+        cr.replay(cp, 100, 3, prefix_keys=[2**63])
+    with pytest.raises(ValueError, match="prepared state belongs to another policy"):
+        ApcReplayer(policy("sync-scarce")).replay(cp, 100, 3)
+    plain = bearsdk.bind_scheduler("vllm-v1", {"enable_prefix_caching": False})
+    with pytest.raises(ValueError, match="does not cache prefixes"):
+        ApcReplayer(plain)
