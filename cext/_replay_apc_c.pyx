@@ -30,7 +30,13 @@ from libc.stdint cimport INT64_MIN, int8_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
+
 from _mem cimport mem_alloc, mem_reserve, mem_resize
+
+cdef extern from "Python.h":
+    int _PyLong_Sign(object v)
+    size_t _PyLong_NumBits(object v) except? -1
 
 import numpy as np
 
@@ -79,7 +85,9 @@ cdef enum:
 
 cdef int64_t BIG = (<int64_t>1) << 60
 cdef int64_t NOKEY = INT64_MIN  # a block with nothing findable
-cdef int32_t NIL = -1
+# (an enum, so that the compiler folds it: module variables are loads)
+cdef enum:
+    NIL = -1
 cdef int64_t KEY_MASK = 0x7fffffffffffffff
 # Block ids are int32; the pool never names more (a replay that would is
 # refused rather than wrapped).
@@ -747,11 +755,14 @@ cdef int grow(St* st, Batch* b, int32_t s, int64_t n, int64_t* budget) except -1
     cdef Rq* vq
     while True:
         q = R(st, s)
-        need = imax(cdiv(q.computed + n, st.P.bs) - q.nblk, 0)
+        # (compared, not divided: this runs for every request in every batch)
+        need = 0
+        if q.computed + n > q.nblk * st.P.bs:
+            need = cdiv(q.computed + n, st.P.bs) - q.nblk
         if imax(need, one_free) <= st.n_free:
             if need:
                 allocate(st, q, need)
-            if imin(q.computed + n, q.prompt + q.outputs) // st.P.bs > q.cached:
+            if imin(q.computed + n, q.prompt + q.outputs) >= (q.cached + 1) * st.P.bs:
                 cache_blocks(st, q, q.computed + n)
             return 1
         if not st.P.victim_newest:
@@ -980,7 +991,7 @@ cdef int process(St* st, Batch* b) except -1 nogil:
             q.ph -= got
             # The token just landed completes blocks computed while it was in
             # flight: they become findable now.
-            if imin(q.computed - q.inflight, q.prompt + q.outputs) // bs > q.cached:
+            if imin(q.computed - q.inflight, q.prompt + q.outputs) >= (q.cached + 1) * bs:
                 cache_blocks(st, q, q.computed - q.inflight)
         if q.outputs >= q.target:
             q.status = S_FINISHED
@@ -1059,6 +1070,26 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
 # ---------------------------------------------------------------------------
 # Python surface
 # ---------------------------------------------------------------------------
+
+cdef list _key_list(object prefix_keys):
+    """The new request's content keys, each checked as the twin checks them."""
+    cdef list keys
+    if type(prefix_keys) is list:
+        keys = <list>prefix_keys
+    else:
+        keys = list(prefix_keys) if prefix_keys else []
+    cdef Py_ssize_t i
+    cdef object k
+    cdef long long v
+    for i in range(len(keys)):
+        k = keys[i]
+        # Exactly int (not bool, not a numpy integer), in [0, 2**63).
+        if PyLong_CheckExact(k) and _PyLong_Sign(k) >= 0 and _PyLong_NumBits(k) <= 63:
+            continue
+        raise ValueError(
+            f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
+    return keys
+
 
 cdef inline int64_t pow2_at_least(int64_t n) noexcept:
     cdef int64_t c = 8
@@ -1456,11 +1487,7 @@ cdef class Replayer:
         prompt = check_tokens(prompt_tokens, "prompt_tokens", 1)
         out_len = check_tokens(output_len, "output_len", MIN_ANY)
         cap_tokens = check_tokens(max_tokens, "max_tokens", MIN_ANY)
-        keys = list(prefix_keys or ())
-        for i, k in enumerate(keys):
-            if type(k) is not int or not 0 <= k <= KEY_MASK:
-                raise ValueError(
-                    f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
+        cdef list keys = _key_list(prefix_keys)
         nk = imin(len(keys), prompt // self.P.bs)
         self._ensure(pr)
         if len(coeffs) == 5:
@@ -1520,7 +1547,8 @@ cdef class Replayer:
         if nk:
             mem_reserve(<void**>&st.ak, &st.ak_cap, nk, 256, sizeof(int64_t))
             for i in range(nk):
-                st.ak[i] = keys[i]
+                # In [0, 2**63) (checked by _key_list): the digits as they are.
+                st.ak[i] = <int64_t>PyLong_AsUnsignedLongLongMask(keys[i])
             st.ak_n = nk
         q.key_own = 1
         q.key_off = 0
