@@ -123,3 +123,37 @@ async def test_a_failing_loop_cancels_the_block_and_is_raised() -> None:
         await block()
     assert info.group_contains(ZeroDivisionError)
     assert reached == []
+
+
+def test_idle_gpu_time_between_two_instants_counts_only_the_overlap() -> None:
+    from bearsdk.emulator.loopstats import LoopMeter
+
+    m = LoopMeter()
+    m.idle_spans.extend([(1.0, 1.5), (2.0, 2.2), (3.0, 4.0)])
+    assert m.idle_between(0.0, 10.0) == pytest.approx(1.7)
+    assert m.idle_between(1.25, 2.1) == pytest.approx(0.35)
+    assert m.idle_between(1.5, 2.0) == 0.0
+    m.reset()
+    assert m.idle_between(0.0, 10.0) == 0.0
+
+
+async def test_a_late_loop_delivers_the_first_token_late_and_says_by_how_much() -> None:
+    # The host stalls the loop while the first-token batch runs: the batch ends
+    # on the emulated GPU on time, the token leaves when the loop wakes.
+    import time
+
+    async with EmulatedEngine(EngineConfig(serve_http=False, seed=3)) as eng:
+        h = eng.submit_tokens(2000, 40, max_tokens=40, request_id="a")
+        for _ in range(10_000):
+            if h.first_token_batch:  # launched: its batch is in flight
+                break
+            await anyio.sleep(0.001)
+        assert h.first_token_batch
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:  # blocks the loop longer than that batch takes
+            pass
+        await h.result()
+        assert h.ttft is not None
+        assert h.ttft > 0.5
+        assert h.first_token_late > 0.0
+        assert h.ttft - h.first_token_late < 0.5

@@ -294,6 +294,14 @@ class EngineCore(Runs):
         """Lateness of the loop against real time, over the recent steps."""
         return self._meter.stats()
 
+    def idle_between(self, start: float, end: float) -> float:
+        """Time the emulated GPU idled with work waiting (a late loop) between two instants.
+
+        Over the recent steps (the lag window). A TTFT less this is what the
+        emulated hardware took, whatever else the machine running it did.
+        """
+        return self._meter.idle_between(start, end)
+
     def lag_samples(self) -> list[float]:
         """The recent per-step lateness samples (seconds)."""
         return list(self._meter.lags)
@@ -451,6 +459,7 @@ class EngineCore(Runs):
         start = max(now, self._gpu_free)
         if self._queue and now > self._gpu_free:
             self._meter.idle_gpu_s += now - self._gpu_free
+            self._meter.idle_spans.append((self._gpu_free, now))
         end = start + dur
         self._gpu_free = end
         k = self._batches
@@ -497,6 +506,8 @@ class EngineCore(Runs):
             else:
                 m.observe("vllm:time_to_first_token_seconds", now - h.arrival)
                 m.inc("vllm:prompt_tokens", h.plan.prompt_tokens)
+                if f.shape is not None:
+                    h.first_token_late = max(0.0, now - f.end)
                 if self._core.pool is not None:
                     self._cache_created(h)
             times.append(now)

@@ -116,6 +116,8 @@ class RequestHandle:
             cache (vLLM's ``num_cached_tokens``; 0 without the cache).
         created_cache_tokens: Prompt tokens it wrote to the cache, as vLLM
             reports them (``num_cache_creation_tokens``; set at its first token).
+        first_token_late: How much later than its batch's end on the emulated
+            GPU the loop delivered the first token (the host's lateness).
     """
 
     id: str
@@ -128,6 +130,7 @@ class RequestHandle:
     dropped: bool = False
     first_token_batch: int = 0
     scheduled_at: float | None = None
+    first_token_late: float = 0.0
     cached_tokens: int = 0
     created_cache_tokens: int = 0
     _event: anyio.Event | None = None
