@@ -82,7 +82,7 @@ def options(*ttfts: float) -> list[Option]:
 def test_power_of_d_draws_among_ties() -> None:
     pod = PowerOfD(BEAR(), seed=1)
     picks = {pod.select(options(0.1, 0.1, 0.1), 1.0).index for _ in range(200)}
-    assert picks == {0, 1, 2}  # BEAR alone always takes 0
+    assert picks == {0, 1, 2}
     assert pod.ties_broken == 200
     assert pod.name == "bear"
     assert pod.latency == "bea"
@@ -100,11 +100,11 @@ def test_power_of_d_leaves_real_differences_alone() -> None:
     opts = options(0.1, 0.1)
     opts[1] = Option("i1", "m", 0.6, 10.0, 0.595, 0.1)  # better utility
     assert {pod.select(opts, 1.0).index for _ in range(20)} == {1}
-    # Nothing feasible: BEAR's own rule (lowest TTFT) stands.
+    # Nothing feasible: BEAR's own rule (lowest TTFT, its own draw among ties) stands.
     late = options(2.0, 3.0, 2.0)
     sel = pod.select(late, 1.0)
-    assert sel.index == 0
-    assert sel == BEAR().select(late, 1.0)
+    assert sel.index in (0, 2)
+    assert sel == BEAR().select(late, 1.0)  # the same seed draws alike
 
 
 def test_power_of_d_settings_are_checked() -> None:

@@ -2,7 +2,8 @@
 
 Each uses the latency estimate its authors use (``latency``); the router
 computes it with the matching estimator in :mod:`bearsdk.estimators.baselines`.
-Ties break toward the earlier option.
+Ties break as BEAR's do (:mod:`bearsdk.selectors.bear`): lower predicted TTFT,
+lighter load, then a seeded draw.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import attrs
 
 from bearsdk.selectors.base import Option, Selection
-from bearsdk.selectors.bear import _argmax, _nonneg
+from bearsdk.selectors.bear import TieBreaking, _nonneg
 
 __all__ = [
     "LMDeployProxy",
@@ -48,7 +49,7 @@ class RoundRobin:
 
 
 @attrs.frozen
-class ShortestQueue:
+class ShortestQueue(TieBreaking):
     """Join the shortest queue: fewest resident (queued + active) requests."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -58,11 +59,11 @@ class ShortestQueue:
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
         scores = tuple(-float(o.queue) for o in options)
-        return Selection(_argmax(scores), scores, None, "fewest resident requests")
+        return Selection(self._best(scores, options), scores, None, "fewest resident requests")
 
 
 @attrs.frozen
-class LMDeployProxy:
+class LMDeployProxy(TieBreaking):
     """LMDeploy's proxy: smallest unfinished requests / measured request throughput."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -72,11 +73,13 @@ class LMDeployProxy:
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
         scores = tuple(-_finite(o.ttft_s, math.inf) for o in options)
-        return Selection(_argmax(scores), scores, None, "smallest unfinished / throughput")
+        return Selection(
+            self._best(scores, options), scores, None, "smallest unfinished / throughput"
+        )
 
 
 @attrs.frozen
-class SemanticRouter:
+class SemanticRouter(TieBreaking):
     """vLLM Semantic Router's latency-aware selection: lowest normalised TTFT percentile."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -90,11 +93,13 @@ class SemanticRouter:
         )
         # Normalised by the best candidate, as the Semantic Router does.
         scores = tuple(-_finite(o.ttft_s, math.inf) / best for o in options)
-        return Selection(_argmax(scores), scores, None, "lowest normalised observed TTFT")
+        return Selection(
+            self._best(scores, options), scores, None, "lowest normalised observed TTFT"
+        )
 
 
 @attrs.frozen
-class Score:
+class Score(TieBreaking):
     """SCORE: predicted quality minus weighted cost and latency penalties.
 
     ``score = accuracy - lam * cost - latency_weight * latency``, where the latency
@@ -118,11 +123,13 @@ class Score:
             o.utility - (self.latency_weight * o.ttft_s if math.isfinite(o.ttft_s) else math.inf)
             for o in options
         )
-        return Selection(_argmax(scores), scores, None, "best quality - cost and latency penalties")
+        return Selection(
+            self._best(scores, options), scores, None, "best quality - cost and latency penalties"
+        )
 
 
 @attrs.frozen
-class RouteBalance:
+class RouteBalance(TieBreaking):
     """RouteBalance: quality combined with cost and latency scores normalised across instances.
 
     ``score = accuracy - cost_weight * norm(cost) - latency_weight * norm(latency)``
@@ -150,7 +157,7 @@ class RouteBalance:
             for o, c, t in zip(options, cost, lat, strict=True)
         )
         return Selection(
-            _argmax(scores), scores, None, "best quality - normalised cost and latency"
+            self._best(scores, options), scores, None, "best quality - normalised cost and latency"
         )
 
 

@@ -1,19 +1,23 @@
 """BEAR (eq. 5), its Lagrangian relaxation (eq. 7), and the latency-agnostic router.
 
-Ties break toward the earlier option (the pool's order), so decisions are
-deterministic for a given state.
+Ties break on the next criterion, not by position: among options with the same
+score, the lower predicted TTFT, then the lighter load (resident, then
+unfinished requests), then a draw from the selector's seeded generator. Two
+identical instances therefore share the load instead of the first one taking
+every request (decisions stay reproducible for a given seed).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 import attrs
 
 from bearsdk.selectors.base import Option, Selection
 
-__all__ = ["BEAR", "Lagrangian", "LatencyAgnostic", "PrefillTPS"]
+__all__ = ["BEAR", "Lagrangian", "LatencyAgnostic", "PrefillTPS", "TieBreaking"]
 
 
 def _nonneg(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -23,28 +27,83 @@ def _nonneg(inst: object, att: attrs.Attribute[float], value: float) -> None:
         )
 
 
-def _argmax(values: Sequence[float], allowed: Sequence[bool] | None = None) -> int:
-    best = -1
+def _argmax(
+    values: Sequence[float],
+    allowed: Sequence[bool] | None = None,
+    options: Sequence[Option] | None = None,
+    rng: random.Random | None = None,
+) -> int:
+    """The best allowed index; ties broken as the module says (``-1``: none allowed).
+
+    Without ``options`` ties go to the earliest index (the criteria need them).
+    """
+    ties: list[int] = []
     best_v = -math.inf
     for i, v in enumerate(values):
-        if (allowed is None or allowed[i]) and (best < 0 or v > best_v):
-            best, best_v = i, v
-    return best
+        if allowed is not None and not allowed[i]:
+            continue
+        if not ties or v > best_v:
+            best_v = v
+            ties = [i]
+        elif v == best_v:
+            ties.append(i)
+    if len(ties) < 2 or options is None:
+        return ties[0] if ties else -1
+    return _break_tie(ties, options, rng)
 
 
-def _bear(options: Sequence[Option], target: float) -> Selection:
+def _break_tie(ties: list[int], options: Sequence[Option], rng: random.Random | None) -> int:
+    # The lower predicted TTFT (unknown, nan, says nothing; inf is the worst).
+    ttft = [options[i].ttft_s for i in ties]
+    known = [t for t in ttft if not math.isnan(t)]
+    if known:
+        low = min(known)
+        ties = [i for i, t in zip(ties, ttft, strict=True) if t == low]
+    if len(ties) > 1:
+        load = [(options[i].queue, options[i].unfinished) for i in ties]
+        light = min(load)
+        ties = [i for i, x in zip(ties, load, strict=True) if x == light]
+    if len(ties) > 1 and rng is not None:
+        return ties[rng.randrange(len(ties))]
+    return ties[0]
+
+
+@attrs.frozen
+class TieBreaking:
+    """What every built-in selector shares: the seeded generator that draws among ties.
+
+    Args:
+        seed: Seeds the draws (``None``: fresh entropy).
+    """
+
+    seed: int | None = attrs.field(default=0, kw_only=True)
+    _rng: random.Random = attrs.field(init=False, eq=False, hash=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_rng", random.Random(self.seed))
+
+    def _best(
+        self,
+        values: Sequence[float],
+        options: Sequence[Option],
+        allowed: Sequence[bool] | None = None,
+    ) -> int:
+        return _argmax(values, allowed, options, self._rng)
+
+
+def _bear(options: Sequence[Option], target: float, rng: random.Random) -> Selection:
     utility = [o.utility for o in options]
     feasible = [o.ttft_s <= target for o in options]
     if any(feasible):
         return Selection(
-            _argmax(utility, feasible),
+            _argmax(utility, feasible, options, rng),
             tuple(utility),
             tuple(feasible),
             "best utility among instances predicted to meet the target",
         )
     neg_ttft = [-o.ttft_s for o in options]
     return Selection(
-        _argmax(neg_ttft),
+        _argmax(neg_ttft, None, options, rng),
         tuple(utility),
         tuple(feasible),
         "no instance predicted to meet the target: lowest predicted TTFT",
@@ -52,7 +111,7 @@ def _bear(options: Sequence[Option], target: float) -> Selection:
 
 
 @attrs.frozen
-class BEAR:
+class BEAR(TieBreaking):
     """Best accuracy - lam * cost among instances predicted (by BEA) to meet the target (eq. 5).
 
     When none is, the instance with the lowest predicted TTFT.
@@ -67,11 +126,11 @@ class BEAR:
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s)
+        return _bear(options, ttft_target_s, self._rng)
 
 
 @attrs.frozen
-class PrefillTPS:
+class PrefillTPS(TieBreaking):
     """BEAR's rule with the prefill-throughput estimator (eq. 8): the paper's ablation."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -80,11 +139,11 @@ class PrefillTPS:
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s)
+        return _bear(options, ttft_target_s, self._rng)
 
 
 @attrs.frozen
-class Lagrangian:
+class Lagrangian(TieBreaking):
     """Maximise ``utility - delta * predicted TTFT`` (eq. 7); ignores targets.
 
     Args:
@@ -106,11 +165,13 @@ class Lagrangian:
             o.utility - (self.delta * o.ttft_s if math.isfinite(o.ttft_s) else math.inf)
             for o in options
         )
-        return Selection(_argmax(scores), scores, None, "best utility - delta * predicted TTFT")
+        return Selection(
+            self._best(scores, options), scores, None, "best utility - delta * predicted TTFT"
+        )
 
 
 @attrs.frozen
-class LatencyAgnostic:
+class LatencyAgnostic(TieBreaking):
     """Best predicted accuracy - lam * cost, whatever the load (the paper's quality-cost router)."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -120,4 +181,4 @@ class LatencyAgnostic:
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
         scores = tuple(o.utility for o in options)
-        return Selection(_argmax(scores), scores, None, "best utility")
+        return Selection(self._best(scores, options), scores, None, "best utility")

@@ -623,18 +623,21 @@ def _oracle_choice(
     now: float,
 ) -> int:
     """BEAR's rule (eq. 5) on the true TTFT: best ``utility`` among instances whose
-    true TTFT meets the target, else the lowest true TTFT."""
+    true TTFT meets the target, else the lowest true TTFT; ties broken as the
+    selectors break them (lower TTFT, then a draw seeded by the request)."""
     target = float(requests.targets_s[i])
     p = int(requests.prompt_tokens[i])
-    best, best_u, fastest, fastest_t = -1, -math.inf, 0, math.inf
-    for j, e in enumerate(engines):
-        ttft = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
-        if ttft < fastest_t:
-            fastest, fastest_t = j, ttft
-        u = float(utility[i, j])
-        if ttft <= target and u > best_u:
-            best, best_u = j, u
-    return best if best >= 0 else fastest
+    ttft = [e.forecast_ttft(p, int(requests.true_output[i, j]), now) for j, e in enumerate(engines)]
+    feasible = [j for j, t in enumerate(ttft) if t <= target]
+    if feasible:
+        best_u = max(float(utility[i, j]) for j in feasible)
+        ties = [j for j in feasible if float(utility[i, j]) == best_u]
+    else:
+        ties = list(range(len(engines)))
+    low = min(ttft[j] for j in ties)
+    ties = [j for j in ties if ttft[j] == low]
+    # A deterministic draw: identical instances share the requests.
+    return ties[(i * 2654435761) % len(ties)]
 
 
 def _measure(
