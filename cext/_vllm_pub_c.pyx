@@ -452,6 +452,29 @@ def json_head(str instance, str epoch):
         free(tmp)
 
 
+def json_ints(const int64_t[::1] values):
+    """``values`` as JSON integers joined by commas (no brackets): the bulk arrays of
+    ``kv.prefix_cache`` (bearsdk.vllm._prefix), tens of thousands per snapshot."""
+    cdef Py_ssize_t n = values.shape[0]
+    cdef Py_ssize_t i
+    cdef char* tmp
+    cdef char* p
+    if n == 0:
+        return b""
+    tmp = <char*>mem_alloc(n * 21, 1)
+    try:
+        with nogil:
+            p = tmp
+            for i in range(n):
+                if i:
+                    p[0] = b","
+                    p += 1
+                p = put_i64(p, values[i])
+        return tmp[:p - tmp]
+    finally:
+        free(tmp)
+
+
 cdef void put_float(char* dst, double v) except *:
     cdef char* s = PyOS_double_to_string(v, b"r", 0, Py_DTSF_ADD_DOT_0, NULL)
     cdef size_t n = strlen(s)

@@ -41,6 +41,7 @@ import attrs
 
 from bearsdk import _twins
 from bearsdk.vllm import _pub_py
+from bearsdk.vllm._prefix import PoolTracker, PrefixExport, PrefixHooks
 from bearsdk.vllm.config import PublisherConfig
 from bearsdk.vllm.transports import FileTransport, ShmTransport, Transport
 
@@ -161,9 +162,15 @@ class Publisher:
             when this and ``config.shadow`` are.
         transports: Destinations to use in addition to the configured ones.
         epoch: This engine run's id (default: random hex).
+        prefix_tracker: With prefix caching on, the tracker of the engine's
+            block pool: every document then carries ``kv.prefix_cache`` and
+            the requests' block fields (:mod:`bearsdk.vllm._prefix`).
 
     Attributes:
-        hooks: What the scheduler plugin calls on the engine thread.
+        hooks: The capture twin's hooks.
+        engine_hooks: What the scheduler plugin calls on the engine thread
+            (``hooks``, plus the pool's capture when ``prefix`` is set).
+        prefix: The block pool's export, or None (prefix caching off).
     """
 
     def __init__(
@@ -177,6 +184,7 @@ class Publisher:
         shadow_safe: bool = True,
         transports: Sequence[Transport] = (),
         epoch: str | None = None,
+        prefix_tracker: PoolTracker | None = None,
     ) -> None:
         self.config = config
         self.instance = config.instance
@@ -208,6 +216,11 @@ class Publisher:
             config.batch_time,
             config.batch_buffer,
         )
+        self.prefix: PrefixExport | None = None
+        self.engine_hooks: Any = self.hooks
+        if prefix_tracker is not None:
+            self.prefix = PrefixExport(prefix_tracker, mod.json_head(self.instance, self.epoch))
+            self.engine_hooks = PrefixHooks(self.hooks, self.prefix)
         self._lock = threading.Lock()  # the transports list and failure counters
         self._transports: list[Transport] = []
         self._published = 0
@@ -241,6 +254,8 @@ class Publisher:
         self._update_want_terms()
         # The seq 0 document, so that a reader never waits for the first step.
         self._capture.capture([], (), 0, time.time(), free_blocks())
+        if self.prefix is not None:
+            self.prefix.capture(0, (), ())
         self._capture.encode()
         self._deliver(self._capture.payload())
         if config.threaded:
@@ -263,6 +278,15 @@ class Publisher:
             self._deliver_batches()
 
     def _deliver(self, payload: bytes) -> None:
+        prefix = self.prefix
+        if prefix is not None:
+            failed = prefix.failures
+            spliced = prefix.splice(payload)
+            if prefix.failures != failed:
+                self.record_failure("prefix cache export", str(prefix.last_error))
+            if spliced is None:
+                return  # superseded: a newer document follows
+            payload = spliced
         for t in self._transports:
             try:
                 t.send(payload)
@@ -365,7 +389,8 @@ class Publisher:
             threaded=self._thread is not None,
             shadow=bool(self._capture.shadow),
             mismatches=int(self._capture.mismatches),
-            engine_s=int(self.hooks.engine_ns) / 1e9,
+            engine_s=(int(self.hooks.engine_ns) + (self.prefix.engine_ns if self.prefix else 0))
+            / 1e9,
             transports=tuple(t.name for t in self._transports),
         )
 

@@ -45,6 +45,7 @@ from typing import Any, cast
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from bearsdk.vllm._prefix import PoolTracker
 from bearsdk.vllm.config import PublisherConfig, PublisherConfigError
 from bearsdk.vllm.publisher import INLINE_DOCUMENT, Publisher
 
@@ -86,18 +87,42 @@ def _start_publisher(sched: Any) -> Publisher | None:
         free_blocks=_free_blocks_reader(sched),
         async_scheduling=bool(sched.scheduler_config.async_scheduling),
         shadow_safe=_shadow_safe(sched),
+        prefix_tracker=_prefix_tracker(sched),
     )
     stats = pub.stats()
     log.info(
-        "bearsdk: publishing instance %r (epoch %s) to %s; capture %s%s, %s",
+        "bearsdk: publishing instance %r (epoch %s) to %s; capture %s%s, %s%s",
         pub.instance,
         pub.epoch,
         ", ".join(t.name for t in pub.transports) or "nothing yet",
         pub.implementation,
         " (shadow)" if stats.shadow else "",
         "threaded" if config.threaded else "inline",
+        ", with the prefix cache" if pub.prefix is not None else "",
     )
     return pub
+
+
+def _prefix_tracker(sched: Any) -> PoolTracker | None:
+    # The extension models one full-attention KV cache group whose hashes are
+    # the block size's (docs/prefix-caching.md, "Scope"); anything else
+    # publishes without it, as with the cache off.
+    mgr = sched.kv_cache_manager
+    if not getattr(mgr, "enable_caching", False):
+        return None
+    managers: tuple[Any, ...] = tuple(
+        getattr(getattr(mgr, "coordinator", None), "single_type_managers", ())
+    )
+    groups = sched.kv_cache_config.kv_cache_groups
+    if len(managers) != 1 or len(groups) != 1:
+        log.warning("bearsdk: prefix caching with %d KV cache groups is not exported", len(groups))
+        return None
+    if type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec" or int(
+        mgr.block_pool.hash_block_size
+    ) != int(sched.block_size):
+        log.warning("bearsdk: prefix caching of this KV cache layout is not exported")
+        return None
+    return PoolTracker(mgr.block_pool, managers[0], int(sched.block_size))
 
 
 def _free_blocks_reader(sched: Any) -> Callable[[], int]:
@@ -141,7 +166,7 @@ def _init(base: type[Any]) -> Any:
         except Exception:
             log.exception("bearsdk: the snapshot publisher failed to start; serving without it")
         if self.bear_publisher is not None:
-            self._bear_hooks = self.bear_publisher.hooks
+            self._bear_hooks = self.bear_publisher.engine_hooks
 
     return __init__
 

@@ -30,6 +30,17 @@ Scenarios (each for async and sync scheduling where it matters):
 * ``python``: the pure-Python capture (``BEARSDK_PUBLISH_IMPL=python``);
 * ``disabled``: ``BEARSDK_PUBLISH=0``: the plugin's classes without a
   publisher, the measurement's floor (its timers and one more Python frame).
+
+With prefix caching on (``apc*``; ``--no-apc`` leaves them out) the pool is warmed
+first: ``--warm`` requests of 2000 distinct tokens each (one output token) leave
+~125 cached blocks apiece in the free queue (``--warm 240``: ~30,000), then the
+256 residents share a 512-token system prompt and decode. ``apc`` is the
+``default`` scenario with the ``kv.prefix_cache`` export, ``apc-inline`` the
+``inline`` one, ``apc-disabled`` the floor with the cache on. The pool tracker's
+wrappers run inside vLLM's own methods, which the net measure subtracts, so
+``total_*`` (the whole ``schedule()`` plus ``update_from_output()``) is reported
+too: the plugin's whole cost with the cache on is ``apc``'s total minus
+``apc-disabled``'s.
 """
 
 from __future__ import annotations
@@ -55,8 +66,9 @@ N_REQ = 256
 PROMPT = 1000
 
 
-def _config(async_scheduling: bool) -> dict[str, Any]:
+def _config(async_scheduling: bool, apc: bool = False) -> dict[str, Any]:
     return dict(
+        enable_prefix_caching=apc,
         max_num_batched_tokens=8192,
         max_num_seqs=N_REQ,
         max_model_len=8192,
@@ -88,22 +100,72 @@ class _Clock:
         return timed
 
 
+SYSTEM_PROMPT = 512
+
+
+def _apc_request(rid: str, prompt: list[int], max_tokens: int, hasher: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+
+
+def _warm(sched: Any, n: int, hasher: Any, depth: int) -> None:
+    """Leave ~125 cached blocks per request in the free queue: 2000 distinct tokens each."""
+    import random
+
+    rng = random.Random(7)
+    for i in range(n):
+        prompt = [rng.randrange(10, 30000) for _ in range(2000)]
+        sched.add_request(_apc_request(f"w{i}", prompt, 1, hasher))
+    queue: list[Any] = []
+    while sched.has_requests() or queue:
+        if sched.has_requests():
+            so = sched.schedule()
+            queue.append((so, G.fabricate_output(sched, so)))
+        if len(queue) >= depth or not sched.has_requests():
+            s0, m0 = queue.pop(0)
+            sched.update_from_output(s0, m0)
+
+
 def run(
-    scenario: str, async_scheduling: bool, steps: int, gpu_s: float, model_dir: str
+    scenario: str,
+    async_scheduling: bool,
+    steps: int,
+    gpu_s: float,
+    model_dir: str,
+    warm: int = 240,
 ) -> dict[str, Any]:
+    apc = scenario.startswith("apc")
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     env = {
         "BEARSDK_INSTANCE": "bench",
         "BEARSDK_PUBLISH_SHM": f"{shm_dir}/bear.bench-{os.getpid()}",
-        "BEARSDK_PUBLISH_THREAD": "0" if scenario == "inline" else "1",
+        "BEARSDK_PUBLISH_THREAD": "0" if scenario in ("inline", "apc-inline") else "1",
         "BEARSDK_PUBLISH_IMPL": "python" if scenario == "python" else "cython",
         "BEARSDK_PUBLISH_SHADOW": "0" if scenario == "full-read" else "1",
-        "BEARSDK_PUBLISH": "0" if scenario == "disabled" else "1",
+        "BEARSDK_PUBLISH": "0" if scenario in ("disabled", "apc-disabled") else "1",
     }
     os.environ.update(env)
-    sched = driver.plugin_scheduler(_config(async_scheduling), model_dir)
+    cfg = _config(async_scheduling, apc)
+    sched = driver.plugin_scheduler(cfg, model_dir)
     pub = publisher_of(sched)
-    assert (pub is None) == (scenario == "disabled")
+    assert (pub is None) == scenario.endswith("disabled")
+    assert pub is None or (pub.prefix is not None) == apc
+    hasher = None
+    if apc:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(cfg["block_size"], sha256)
     if pub is not None and scenario == "default+batches":
         pub.add_transport(RecordingTransport(batches=True))
     base = type(sched).__mro__[1]  # vLLM's Scheduler or AsyncScheduler
@@ -113,18 +175,30 @@ def run(
     for n in names:
         setattr(base, n, clock.wrap(getattr(base, n)))
     try:
-        for i in range(N_REQ):
-            sched.add_request(G.make_request(f"r{i}", PROMPT, 6000, i))
         depth = 2 if async_scheduling else 1
+        if apc:
+            _warm(sched, warm, hasher, depth)
+            system = [11 + (j * 7) % 900 for j in range(SYSTEM_PROMPT)]
+            for i in range(N_REQ):
+                own = [(10 + i * 7919 + j) % 29000 + 10 for j in range(PROMPT - SYSTEM_PROMPT)]
+                sched.add_request(_apc_request(f"r{i}", system + own, 6000, hasher))
+        else:
+            for i in range(N_REQ):
+                sched.add_request(G.make_request(f"r{i}", PROMPT, 6000, i))
         queue: list[Any] = []
         per_step: list[float] = []
+        pool = sched.kv_cache_manager.block_pool
         warm = 0
         pc = time.perf_counter_ns
         hooks = getattr(pub, "hooks", None)
+        prefix = getattr(pub, "prefix", None)
         in_hooks: list[float] = []
+        in_prefix: list[float] = []
+        totals: list[float] = []
         while len(per_step) < steps:
             inner = clock.ns
             h0 = hooks.engine_ns if hooks is not None else 0
+            p0 = prefix.engine_ns if prefix is not None else 0
             t = pc()
             so = sched.schedule()
             total = pc() - t
@@ -142,9 +216,17 @@ def run(
                 warm += 1
             if warm > 5:
                 per_step.append((total - (clock.ns - inner)) / 1e3)
+                totals.append(total / 1e3)
                 if hooks is not None:
                     in_hooks.append((hooks.engine_ns - h0) / 1e3)
+                if prefix is not None:
+                    in_prefix.append((prefix.engine_ns - p0) / 1e3)
         stats = pub.stats() if pub is not None else None
+        cached_blocks = sum(
+            len(v) if isinstance(v, dict) else 1
+            for v in pool.cached_block_hash_to_block._cache.values()
+        )
+        free_blocks = pool.get_num_free_blocks()
         doc_bytes = 0
         if pub is not None:
             with ShmReader(env["BEARSDK_PUBLISH_SHM"]) as reader:
@@ -159,6 +241,8 @@ def run(
         sched.shutdown()
     per_step.sort()
     in_hooks.sort()
+    in_prefix.sort()
+    totals.sort()
     return {
         "scenario": scenario,
         "scheduling": "async" if async_scheduling else "sync",
@@ -168,6 +252,12 @@ def run(
         "p99_us": round(per_step[int(0.99 * len(per_step))], 2),
         "hooks_median_us": round(statistics.median(in_hooks), 2) if in_hooks else None,
         "hooks_p99_us": round(in_hooks[int(0.99 * len(in_hooks))], 2) if in_hooks else None,
+        "prefix_median_us": round(statistics.median(in_prefix), 2) if in_prefix else None,
+        "prefix_p99_us": round(in_prefix[int(0.99 * len(in_prefix))], 2) if in_prefix else None,
+        "total_median_us": round(statistics.median(totals), 2),
+        "total_p99_us": round(totals[int(0.99 * len(totals))], 2),
+        "cached_blocks": cached_blocks,
+        "free_blocks": free_blocks,
         "captures": stats.captures if stats else 0,
         "published": stats.published if stats else 0,
         "failures": stats.failures if stats else 0,
@@ -200,6 +290,10 @@ SCENARIOS = (
     ("inline", False),
     ("full-read", True),
     ("python", True),
+    ("apc-disabled", True),
+    ("apc", True),
+    ("apc", False),
+    ("apc-inline", True),
 )
 
 
@@ -209,13 +303,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="runs of every scenario, interleaved")
     ap.add_argument("--gpu-ms", type=float, default=2.0)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--warm", type=int, default=240, help="warm-up requests (apc scenarios)")
+    ap.add_argument("--no-apc", action="store_true", help="leave the apc scenarios out")
+    ap.add_argument("--only", help="comma-separated scenarios to run (default: all)")
     a = ap.parse_args()
     G._import_vllm()
     model_dir = G.tiny_model_dir()
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(a.rounds):
         for scenario, mode in SCENARIOS:
-            r = run(scenario, mode, a.steps, a.gpu_ms / 1e3, model_dir)
+            if a.no_apc and scenario.startswith("apc"):
+                continue
+            if a.only and scenario not in a.only.split(",") and scenario != "disabled":
+                continue
+            r = run(scenario, mode, a.steps, a.gpu_ms / 1e3, model_dir, a.warm)
             runs.setdefault((r["scenario"], r["scheduling"]), []).append(r)
             print(json.dumps(r), flush=True)
     # A shared machine's noise moves whole runs: report the median run, and
@@ -233,6 +334,12 @@ def main() -> int:
                 "net_median_us": round(med - floor, 1),
                 "hooks_median_us": _median_or_none([r["hooks_median_us"] for r in rs]),
                 "hooks_p99_us": _median_or_none([r["hooks_p99_us"] for r in rs]),
+                "prefix_median_us": _median_or_none([r["prefix_median_us"] for r in rs]),
+                "prefix_p99_us": _median_or_none([r["prefix_p99_us"] for r in rs]),
+                "total_median_us": round(statistics.median(r["total_median_us"] for r in rs), 1),
+                "total_p99_us": round(statistics.median(r["total_p99_us"] for r in rs), 1),
+                "cached_blocks": rs[-1]["cached_blocks"],
+                "document_bytes": rs[-1]["document_bytes"],
                 "mismatches": sum(r["mismatches"] for r in rs),
                 "failures": sum(r["failures"] for r in rs),
             }

@@ -73,7 +73,10 @@ def plugin_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
         is_encoder_decoder=False,
         scheduler_cls=SCHEDULER_CLS,
     )
-    cache_config = V["CacheConfig"](block_size=cfg["block_size"], enable_prefix_caching=False)
+    cache_config = V["CacheConfig"](
+        block_size=cfg["block_size"],
+        enable_prefix_caching=bool(cfg.get("enable_prefix_caching", False)),
+    )
     vllm_config = V["VllmConfig"](
         scheduler_config=scheduler_config,
         model_config=model_config,
