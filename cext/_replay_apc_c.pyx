@@ -33,6 +33,11 @@ from libc.string cimport memcpy, memset
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
+from _replay_defs cimport (
+    R_FIRST_TOKEN, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
+    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, imax, imin,
+    read_policy,
+)
 
 cdef extern from "Python.h":
     int _PyLong_Sign(object v)
@@ -56,27 +61,6 @@ cdef extern from "math.h" nogil:
     double INFINITY
     double fmax(double, double)
 
-cdef enum:
-    STAGE_RUNNING = 0
-    STAGE_DECODES = 1
-    STAGE_PREFILLS = 2
-    STAGE_WAITING = 3
-
-cdef enum:
-    WM_ALWAYS = 0
-    WM_WHILE_RUNNING = 1
-    WM_NEVER = 2
-
-cdef enum:
-    S_RUNNING = 0
-    S_WAITING = 1
-    S_FINISHED = 2
-
-cdef enum:
-    R_FIRST_TOKEN = 0
-    R_NEVER = 1
-    R_LIMIT = 2
-
 # Per batch in the log: num_seqs, prefill, decode, decode context, prefill
 # attention, admitted, preempted, duration (bits), offset and count of its
 # (slot, tokens) pairs.
@@ -96,29 +80,6 @@ MIN_ANY = -_MAX_TOKENS_PY
 # The work bound counts the twin's units (a batch, and each request in it or in
 # the running list), so both twins stop at the same batch.
 cdef int64_t MAX_WORK = _MAX_WORK_PY
-
-ctypedef struct Params:
-    int64_t token_budget
-    int64_t max_seqs
-    int64_t mml
-    int64_t chunk_cap
-    int64_t bs
-    int64_t wm_blocks
-    int32_t n_stages
-    int32_t stages[4]
-    int32_t wm_applies
-    int32_t depth
-    bint padded
-    bint exclusive
-    bint admit_after_preemption
-    bint chunked
-    bint cap_exempt_alone
-    bint stop_on_blocked
-    bint reserve_full
-    bint one_free
-    bint victim_newest
-    bint requeue_front
-    bint keep_outputs
 
 ctypedef struct Rq:
     int64_t prompt
@@ -284,19 +245,6 @@ cdef inline Run* RN(St* st, int64_t r) noexcept nogil:
         st.runs[r] = st.src_runs[r]
         st.rnep[r] = st.cur
     return &st.runs[r]
-
-
-cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
-    # cdivision is on (C truncation): only valid for a >= 0, b > 0.
-    return (a + b - 1) // b
-
-
-cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
-    return a if a < b else b
-
-
-cdef inline int64_t imax(int64_t a, int64_t b) noexcept nogil:
-    return a if a > b else b
 
 
 # ---------------------------------------------------------------------------
@@ -1182,32 +1130,7 @@ cdef class Replayer:
             raise ValueError(f"policy {policy.name!r}: prefix caching needs on-demand allocation")
         self.policy = policy
         p = policy
-        memset(&self.P, 0, sizeof(Params))
-        self.P.token_budget = p.token_budget
-        self.P.max_seqs = p.max_seqs
-        self.P.mml = p.max_model_len
-        self.P.chunk_cap = p.chunk_cap
-        self.P.bs = p.block_size
-        self.P.wm_blocks = p.watermark_blocks
-        names = {"running": STAGE_RUNNING, "decodes": STAGE_DECODES,
-                 "prefills": STAGE_PREFILLS, "waiting": STAGE_WAITING}
-        self.P.n_stages = len(p.stages)
-        for i, s in enumerate(p.stages):
-            self.P.stages[i] = names[s]
-        self.P.wm_applies = {"always": WM_ALWAYS, "while-running": WM_WHILE_RUNNING,
-                             "never": WM_NEVER}[p.watermark_applies]
-        self.P.depth = 2 if p.async_scheduling else 1
-        self.P.padded = p.budget_count == "padded"
-        self.P.exclusive = p.exclusive
-        self.P.admit_after_preemption = p.admit_after_preemption
-        self.P.chunked = p.chunked_prefill
-        self.P.cap_exempt_alone = p.cap_exempt_when_alone
-        self.P.stop_on_blocked = p.on_blocked == "stop"
-        self.P.reserve_full = p.reserve_full_sequence
-        self.P.one_free = p.decode_needs_free_block
-        self.P.victim_newest = p.victim == "newest"
-        self.P.requeue_front = p.requeue == "front"
-        self.P.keep_outputs = p.keep_outputs
+        read_policy(&self.P, p)
         self.st.P = &self.P
 
     def __dealloc__(self):

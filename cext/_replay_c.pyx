@@ -27,6 +27,11 @@ from libc.stdlib cimport free, qsort
 from libc.string cimport memcpy, memset
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
+from _replay_defs cimport (
+    R_FIRST_TOKEN, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
+    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
+    cdiv, imax, imin, read_policy,
+)
 
 import numpy as np
 
@@ -79,27 +84,6 @@ ctypedef fused Count:
     TokenCount
     PaddedCount
 
-cdef enum:
-    STAGE_RUNNING = 0
-    STAGE_DECODES = 1
-    STAGE_PREFILLS = 2
-    STAGE_WAITING = 3
-
-cdef enum:
-    WM_ALWAYS = 0
-    WM_WHILE_RUNNING = 1
-    WM_NEVER = 2
-
-cdef enum:
-    S_RUNNING = 0
-    S_WAITING = 1
-    S_FINISHED = 2
-
-cdef enum:
-    R_FIRST_TOKEN = 0
-    R_NEVER = 1
-    R_LIMIT = 2
-
 # "No limit" for a request's output count, and a step no batch ever had.
 cdef int64_t BIG = (<int64_t>1) << 60
 cdef int64_t NEVER_SCHEDULED = -((<int64_t>1) << 40)
@@ -112,29 +96,6 @@ cdef int64_t MAX_REPLAY_WORK_C = _MAX_REPLAY_WORK_PY
 # columns by position; a module-level check keeps them in step).
 assert (COL_STATE, COL_PROMPT, COL_COMPUTED, COL_OUTPUT, COL_PLACEHOLDERS, NCOLS) == (0, 1, 2, 3, 6, 7)
 cdef int64_t STATE_RUNNING_C = STATE_RUNNING
-
-ctypedef struct Params:
-    int64_t token_budget
-    int64_t max_seqs
-    int64_t mml
-    int64_t chunk_cap
-    int64_t bs
-    int64_t num_blocks
-    int64_t reserved
-    int64_t wm_blocks
-    int32_t n_stages
-    int32_t stages[4]
-    int32_t wm_applies
-    bint exclusive
-    bint admit_after_preemption
-    bint chunked
-    bint cap_exempt_alone
-    bint stop_on_blocked
-    bint reserve_full
-    bint one_free
-    bint victim_newest
-    bint requeue_front
-    bint keep_outputs
 
 # ---------------------------------------------------------------------------
 # Per-request state
@@ -273,19 +234,6 @@ cdef inline Req* R(State* st, int64_t s) noexcept nogil:
         st.r[s] = st.src[s]
         st.epoch[s] = st.cur
     return &st.r[s]
-
-
-cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
-    # cdivision is on (C truncation): only valid for a >= 0, b > 0.
-    return (a + b - 1) // b
-
-
-cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
-    return a if a < b else b
-
-
-cdef inline int64_t imax(int64_t a, int64_t b) noexcept nogil:
-    return a if a > b else b
 
 
 cdef inline int64_t pmod(int64_t a, int64_t b) noexcept nogil:
@@ -1557,32 +1505,7 @@ cdef class Replayer:
         check_policy(policy)
         self.policy = policy
         p = policy
-        memset(&self.P, 0, sizeof(Params))
-        self.P.token_budget = p.token_budget
-        self.P.max_seqs = p.max_seqs
-        self.P.mml = p.max_model_len
-        self.P.chunk_cap = p.chunk_cap
-        self.P.bs = p.block_size
-        self.P.num_blocks = p.num_blocks
-        self.P.reserved = p.reserved_blocks
-        self.P.wm_blocks = p.watermark_blocks
-        names = {"running": STAGE_RUNNING, "decodes": STAGE_DECODES,
-                 "prefills": STAGE_PREFILLS, "waiting": STAGE_WAITING}
-        self.P.n_stages = len(p.stages)
-        for i, s in enumerate(p.stages):
-            self.P.stages[i] = names[s]
-        self.P.wm_applies = {"always": WM_ALWAYS, "while-running": WM_WHILE_RUNNING,
-                             "never": WM_NEVER}[p.watermark_applies]
-        self.P.exclusive = p.exclusive
-        self.P.admit_after_preemption = p.admit_after_preemption
-        self.P.chunked = p.chunked_prefill
-        self.P.cap_exempt_alone = p.cap_exempt_when_alone
-        self.P.stop_on_blocked = p.on_blocked == "stop"
-        self.P.reserve_full = p.reserve_full_sequence
-        self.P.one_free = p.decode_needs_free_block
-        self.P.victim_newest = p.victim == "newest"
-        self.P.requeue_front = p.requeue == "front"
-        self.P.keep_outputs = p.keep_outputs
+        read_policy(&self.P, p)
         alloc = {"on-demand": 0, "prompt": 1, "max-length": 2}[p.allocate]
         self.code = alloc * 4 + (2 if p.async_scheduling else 0) + (1 if p.budget_count == "padded" else 0)
         self.force_slow = False

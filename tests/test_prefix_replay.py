@@ -83,6 +83,32 @@ def tokens(rng: random.Random, prefix: int, shared: int, total: int) -> list[int
     return head + [rng.randrange(5000, 100_000) for _ in range(total - len(head))]
 
 
+def run_engine(
+    name: str, arrivals: list[tuple[int, int, int, int, int]], at: int, seed: int
+) -> tuple[bearsdk.BoundScheduler, random.Random, Engine]:
+    """A live engine run for ``at`` steps, requests arriving as ``arrivals`` say.
+
+    Each arrival is ``(step, which shared prefix, how much of it, prompt
+    length, output length)``; token ids are seeded by ``seed``.
+    """
+    rng = random.Random(seed)
+    pol = policy(name)
+    eng = Engine(SchedulerCore(pol), 2 if pol.async_scheduling else 1)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i = 0
+    for step in range(at):
+        while i < len(pending) and pending[i][0] <= step:
+            _, pfx, shared, plen, out = pending[i]
+            ids = tokens(rng, pfx, shared, plen) + [
+                rng.randrange(5000, 100_000) for _ in range(out)
+            ]
+            eng.core.add_request(f"r{i}", plen, out, out, token_ids=ids)
+            i += 1
+        if eng.core.has_work() or eng.queue:
+            eng.tick()
+    return pol, rng, eng
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(sorted(POLICIES)),
@@ -107,21 +133,7 @@ def test_replay_of_a_prefix_cache_snapshot_predicts_the_engine(
     new: tuple[int, int, int],
     seed: int,
 ) -> None:
-    rng = random.Random(seed)
-    pol = policy(name)
-    eng = Engine(SchedulerCore(pol), 2 if pol.async_scheduling else 1)
-    pending = sorted(arrivals, key=lambda a: a[0])
-    i = 0
-    for step in range(at):
-        while i < len(pending) and pending[i][0] <= step:
-            _, pfx, shared, plen, out = pending[i]
-            ids = tokens(rng, pfx, shared, plen) + [
-                rng.randrange(5000, 100_000) for _ in range(out)
-            ]
-            eng.core.add_request(f"r{i}", plen, out, out, token_ids=ids)
-            i += 1
-        if eng.core.has_work() or eng.queue:
-            eng.tick()
+    pol, rng, eng = run_engine(name, arrivals, at, seed)
     doc = eng.core.snapshot(seq=eng.step, output_len=True)
     snap = snapshot_from_dict(doc)
     raw = orjson.dumps(doc)

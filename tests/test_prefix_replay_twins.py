@@ -18,7 +18,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_prefix_replay import POLICIES, Engine, policy, tokens
+from test_prefix_replay import POLICIES, policy, run_engine, tokens
 
 import bearsdk
 from bearsdk.replay import SchedulerCore
@@ -26,7 +26,7 @@ from bearsdk.replay._replay_apc_c import Replayer as ApcReplayer
 from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.replay.blocks import chain_keys
 from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry
-from bearsdk.snapshot import snapshot_from_dict
+from bearsdk.snapshot import Snapshot, snapshot_from_dict
 
 COEFFS = (3e-3, 2e-5, 4e-8, 1e-9)
 
@@ -50,22 +50,10 @@ def _pure_pool(core: SchedulerCore) -> tuple[list[int], list[object], list[tuple
     )
 
 
-def _run_engine(name: str, arrivals: list[tuple[int, int, int, int, int]], at: int, seed: int):
-    rng = random.Random(seed)
-    pol = policy(name)
-    eng = Engine(SchedulerCore(pol), 2 if pol.async_scheduling else 1)
-    pending = sorted(arrivals, key=lambda a: a[0])
-    i = 0
-    for step in range(at):
-        while i < len(pending) and pending[i][0] <= step:
-            _, pfx, shared, plen, out = pending[i]
-            ids = tokens(rng, pfx, shared, plen) + [
-                rng.randrange(5000, 100_000) for _ in range(out)
-            ]
-            eng.core.add_request(f"r{i}", plen, out, out, token_ids=ids)
-            i += 1
-        if eng.core.has_work() or eng.queue:
-            eng.tick()
+def _run_engine(
+    name: str, arrivals: list[tuple[int, int, int, int, int]], at: int, seed: int
+) -> tuple[bearsdk.BoundScheduler, random.Random, Snapshot]:
+    pol, rng, eng = run_engine(name, arrivals, at, seed)
     doc = orjson.loads(orjson.dumps(eng.core.snapshot(output_len=True)))
     return pol, rng, snapshot_from_dict(doc)
 

@@ -1,0 +1,100 @@
+# What both compiled replay loops share (cimport _replay_defs from cext/):
+# the bound policy as a C struct, the enums its strings compile to, and the
+# integer helpers. _replay_c.pyx folds decodes into an aggregate;
+# _replay_apc_c.pyx forms batches block by block (prefix caching); both read
+# the policy the same way.
+
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memset
+
+cdef enum:
+    STAGE_RUNNING = 0
+    STAGE_DECODES = 1
+    STAGE_PREFILLS = 2
+    STAGE_WAITING = 3
+
+cdef enum:
+    WM_ALWAYS = 0
+    WM_WHILE_RUNNING = 1
+    WM_NEVER = 2
+
+cdef enum:
+    S_RUNNING = 0
+    S_WAITING = 1
+    S_FINISHED = 2
+
+cdef enum:
+    R_FIRST_TOKEN = 0
+    R_NEVER = 1
+    R_LIMIT = 2
+
+ctypedef struct Params:
+    int64_t token_budget
+    int64_t max_seqs
+    int64_t mml
+    int64_t chunk_cap
+    int64_t bs
+    int64_t num_blocks
+    int64_t reserved
+    int64_t wm_blocks
+    int32_t n_stages
+    int32_t stages[4]
+    int32_t wm_applies
+    int32_t depth
+    bint padded
+    bint exclusive
+    bint admit_after_preemption
+    bint chunked
+    bint cap_exempt_alone
+    bint stop_on_blocked
+    bint reserve_full
+    bint one_free
+    bint victim_newest
+    bint requeue_front
+    bint keep_outputs
+
+
+cdef inline int read_policy(Params* P, object p) except -1:
+    """Fill P from a bound policy (its numbers checked by check_policy first)."""
+    memset(P, 0, sizeof(Params))
+    P.token_budget = p.token_budget
+    P.max_seqs = p.max_seqs
+    P.mml = p.max_model_len
+    P.chunk_cap = p.chunk_cap
+    P.bs = p.block_size
+    P.num_blocks = p.num_blocks
+    P.reserved = p.reserved_blocks
+    P.wm_blocks = p.watermark_blocks
+    names = {"running": STAGE_RUNNING, "decodes": STAGE_DECODES,
+             "prefills": STAGE_PREFILLS, "waiting": STAGE_WAITING}
+    P.n_stages = len(p.stages)
+    for i, s in enumerate(p.stages):
+        P.stages[i] = names[s]
+    P.wm_applies = {"always": WM_ALWAYS, "while-running": WM_WHILE_RUNNING,
+                    "never": WM_NEVER}[p.watermark_applies]
+    P.depth = 2 if p.async_scheduling else 1
+    P.padded = p.budget_count == "padded"
+    P.exclusive = p.exclusive
+    P.admit_after_preemption = p.admit_after_preemption
+    P.chunked = p.chunked_prefill
+    P.cap_exempt_alone = p.cap_exempt_when_alone
+    P.stop_on_blocked = p.on_blocked == "stop"
+    P.reserve_full = p.reserve_full_sequence
+    P.one_free = p.decode_needs_free_block
+    P.victim_newest = p.victim == "newest"
+    P.requeue_front = p.requeue == "front"
+    P.keep_outputs = p.keep_outputs
+    return 0
+
+
+cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
+    # cdivision is on (C truncation): only valid for a >= 0, b > 0.
+    return (a + b - 1) // b
+
+
+cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef inline int64_t imax(int64_t a, int64_t b) noexcept nogil:
+    return a if a > b else b
