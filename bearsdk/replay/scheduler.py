@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from bearsdk.replay.blocks import BlockPool, chain_keys
+from bearsdk.replay.blocks import BlockPool, WiredPool, chain_keys
 from bearsdk.replay.prefix import export as export_blocks
 from bearsdk.replay.requests import (
     FINISHED,
@@ -321,15 +321,24 @@ class SchedulerCore:
     def _export_blocks(self, doc: dict[str, Any]) -> None:
         """Add the ``kv.prefix_cache`` extension (:mod:`bearsdk.prefix_cache`)."""
         assert self.pool is not None
+        if type(self.pool) is BlockPool:
+            # The live pool keeps its wire form from now on (the export then
+            # copies it); a pool whose free queue does not allow it (a restored
+            # one) is exported from scratch.
+            WiredPool.wire(self.pool)
         bs = self.geo.block_size
         residents = []
+        tags = []
         for r in (*self.running, *self.waiting):
             c = cast(CachedReq, r)
             held = c.block_ids if r.status == RUNNING else ()
             residents.append(
                 (held, c.cached_blocks if held else 0, self._keys(c, r.num_tokens // bs))
             )
-        doc["kv"]["prefix_cache"], fields = export_blocks(self.pool, residents)
+            # A request gives its blocks up only when preempted (or done); the
+            # object, not its id, names it (an id can come back).
+            tags.append((c, c.preemptions))
+        doc["kv"]["prefix_cache"], fields = export_blocks(self.pool, residents, tags)
         for d, f in zip(doc["requests"], fields, strict=True):
             d.update(f)
 
