@@ -1187,8 +1187,18 @@ cdef class Replayer:
             raise ValueError(f"prefix_cache.cached must be in [0, {len(keys)}] (got {ncached})")
         if n > 0x7fffffff - 16:
             raise ValueError(f"table has too many rows for one replay (got {n})")
+        # What the wire validator guarantees, checked again: a state built in
+        # code reaches the C arrays below only within their bounds.
+        for i, k in enumerate(keys):
+            if type(k) is not int or not 0 <= k <= KEY_MASK:
+                raise ValueError(
+                    f"prefix_cache.keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
         nb = ncached
         for i in range(n):
+            if type(uncached[i]) is not int or uncached[i] < 0:
+                raise ValueError(
+                    f"request {i}: uncached blocks must be an integer >= 0 "
+                    f"(got {short_repr(uncached[i])})")
             total_b += len(blocks[i]) + uncached[i]
             total_k += len(blocks[i]) + len(chains[i])
             nb += uncached[i]

@@ -159,3 +159,39 @@ def test_bad_prefix_keys_and_foreign_states_are_refused() -> None:
     plain = bearsdk.bind_scheduler("vllm-v1", {"enable_prefix_caching": False})
     with pytest.raises(ValueError, match="does not cache prefixes"):
         ApcReplayer(plain)
+
+
+def test_a_pool_built_in_code_is_checked_before_it_reaches_c_arrays() -> None:
+    # The wire validator stands in front of snapshots; a PrefixCacheState built
+    # directly must still never index past the compiled loop's arrays.
+    import numpy as np
+
+    from bearsdk.prefix_cache import PrefixCacheState
+
+    pol = policy("sync-scarce")
+    row = np.array([[0, 40, 40, 1, -1, 5, 0]], dtype=np.int64)  # running, 40 computed
+    cr = ApcReplayer(pol)
+
+    def state(**kw: object) -> PrefixCacheState:
+        base: dict[str, object] = {
+            "keys": (11, 12),
+            "cached": 2,
+            "free": (-10,),
+            "blocks": ((0, 1),),
+            "uncached": (1,),
+            "chains": ((),),
+        }
+        return PrefixCacheState(**{**base, **kw})  # type: ignore[arg-type]
+
+    assert len(cr.prepare(row, -1, None, state())) == 1
+    bad = {
+        "uncached": ((-3,), "uncached blocks must be an integer >= 0"),
+        "keys": ((11, -1), r"keys\[1\] must be an integer in \[0, 2\*\*63\)"),
+        "blocks": (((0, 5),), "cached block 5 out of range"),
+        "chains": (((9,),), "chain key 9 out of range"),
+        "free": ((0, -10), "block 0 is not a free cached block"),
+        "cached": (3, r"cached must be in \[0, 2\]"),
+    }
+    for field, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            cr.prepare(row, -1, None, state(**{field: value}))
