@@ -167,6 +167,7 @@ def tokens(rng: random.Random, prefix: int, shared: int, total: int) -> list[int
     steps=st.integers(1, 160),
     seed=st.integers(0, 2**16),
     chunk=st.sampled_from([2, 512]),
+    forget=st.sampled_from([4, 1 << 16]),
 )
 def test_the_incremental_export_is_the_export_from_scratch(
     name: str,
@@ -174,13 +175,16 @@ def test_the_incremental_export_is_the_export_from_scratch(
     steps: int,
     seed: int,
     chunk: int,
+    forget: int,
 ) -> None:
-    saved = blocks_mod._CHUNK
-    blocks_mod._CHUNK = chunk  # tiny chunks: the free list splits and joins
+    saved = blocks_mod._CHUNK, blocks_mod._FORGET
+    # Tiny chunks: the free list splits and joins; a tiny log: the export
+    # forgets what it remembered between snapshots.
+    blocks_mod._CHUNK, blocks_mod._FORGET = chunk, forget
     try:
         _drive(name, arrivals, steps, seed)
     finally:
-        blocks_mod._CHUNK = saved
+        blocks_mod._CHUNK, blocks_mod._FORGET = saved
 
 
 def _drive(

@@ -324,6 +324,8 @@ class BlockPool:
         return self._ref[b]
 
 
+_FORGET: Final = 1 << 16
+"""Keys changed since the last export past which it remembers nothing instead."""
 _CHUNK: Final = 512
 """Entries per chunk of a wired pool's free list (small enough that removing one
 from the middle is a short memmove, large enough that the export joins few)."""
@@ -537,6 +539,11 @@ class WiredPool(BlockPool):
         if len(self._cached[k]) == 1:
             w.kw[k] = x
             w.kchanged.add(k)
+            if len(w.kchanged) > _FORGET:
+                # No snapshot for long: forget what the exports remember
+                # rather than log every change.
+                w.kchanged.clear()
+                w.state = {}
             return False
         return True
 
