@@ -96,6 +96,43 @@ def _runs_text(ix: Sequence[int]) -> bytes:
     return b",".join(b"[%d,%d]" % (s, c) for s, c in out)
 
 
+class KeysText:
+    """The ``keys`` text of the last frame in chunks of slots, re-printed only where it changed.
+
+    The keys are most of a warm pool's document (19-digit integers) and change
+    by a few slots per step; comparing two frames' columns is one vectorised
+    pass, printing them all is not.
+    """
+
+    CHUNK: Final = 2048
+
+    def __init__(self) -> None:
+        self._keys: Any = None
+        self._occupied: Any = None
+        self._texts: list[bytes] = []
+
+    def text(self, keys: Any, occupied: Any) -> bytes:
+        """``keys[occupied]`` printed (``keys`` in slot order, never written to after)."""
+        ch = self.CHUNK
+        n = len(keys)
+        nch = -(-n // ch)
+        prev = self._keys
+        m = 0 if prev is None else min(n, len(prev))
+        dirty = np.zeros(nch, dtype=bool)
+        if m:
+            diff = (keys[:m] != prev[:m]) | (occupied[:m] != self._occupied[:m])
+            dirty[np.flatnonzero(diff) // ch] = True
+        if m < n or (prev is not None and len(prev) != n):
+            dirty[m // ch :] = True
+        texts = self._texts[:nch]
+        texts.extend([b""] * (nch - len(texts)))
+        for c in np.flatnonzero(dirty).tolist():
+            lo, hi = c * ch, (c + 1) * ch
+            texts[c] = json_ints(np.ascontiguousarray(keys[lo:hi][occupied[lo:hi]]))
+        self._keys, self._occupied, self._texts = keys, occupied, texts
+        return b",".join([t for t in texts if t])
+
+
 class PrefixFrame:
     """One capture of the pool: raw copies taken on the engine thread, formatted later.
 
@@ -145,7 +182,11 @@ class PrefixFrame:
         self.error = error
         self._text: tuple[bytes, list[bytes]] | None = None
 
-    def format(self, memo: dict[int, tuple[Any, bytes]] | None = None) -> tuple[bytes, list[bytes]]:
+    def format(
+        self,
+        memo: dict[int, tuple[Any, bytes]] | None = None,
+        keys_text: KeysText | None = None,
+    ) -> tuple[bytes, list[bytes]]:
         """``("prefix_cache":{...}, [each resident's extra members])``.
 
         Args:
@@ -153,18 +194,28 @@ class PrefixFrame:
                 resident's runs tuple is the same object while its cached
                 blocks do not change); updated in place. Used when no slot is a
                 hole, so that slot order is the wire's.
+            keys_text: The previous format's keys text, reused where unchanged.
         """
         if self._text is None:
-            self._text = self._format(memo)
+            self._text = self._format(memo, keys_text)
         return self._text
 
-    def _format(self, memo: dict[int, tuple[Any, bytes]] | None) -> tuple[bytes, list[bytes]]:
+    def _format(
+        self, memo: dict[int, tuple[Any, bytes]] | None, keys_text: KeysText | None
+    ) -> tuple[bytes, list[bytes]]:
         if self.error is not None:
             raise RuntimeError(self.error)
         blocks = np.frombuffer(self.slot_block, dtype=np.int32)
         occupied = blocks >= 0
-        keys = np.frombuffer(self.slot_key, dtype=np.int64)[occupied]
-        cached = len(keys)
+        slot_keys = np.frombuffer(self.slot_key, dtype=np.int64)
+        cached = int(np.count_nonzero(occupied))
+        if keys_text is not None:
+            ktext = keys_text.text(slot_keys, occupied)
+        else:
+            ktext = json_ints(np.ascontiguousarray(slot_keys[occupied]))
+        if self.extra:
+            more = json_ints(np.asarray(self.extra, dtype=np.int64))
+            ktext = ktext + b"," + more if ktext else more
         dense: Any = np.cumsum(occupied, dtype=np.int64) - 1 if self.holes else None
         q = np.frombuffer(self.queue, dtype=np.int32)
         live = q[q >= 0]
@@ -183,8 +234,6 @@ class PrefixFrame:
             free[np.cumsum(keep)[starts] - 1] = -lengths
         else:
             free = slots
-        if self.extra:
-            keys = np.concatenate((keys, np.asarray(self.extra, dtype=np.int64)))
         # Slot-space starts of every run and chain entry, mapped in one go.
         flat: list[int] = []
         use_memo = memo is not None and dense is None
@@ -249,7 +298,7 @@ class PrefixFrame:
         ext = b"".join(
             (
                 b'"prefix_cache":{"keys":[',
-                json_ints(keys),
+                ktext,
                 b'],"cached":%d,"free":[' % cached,
                 json_ints(np.ascontiguousarray(free)),
                 b"]}",
@@ -292,6 +341,7 @@ class PoolTracker:
         self.unsupported: str | None = None
         self.stale = False  # an observed change failed to apply: rebuild before exporting
         self.rebuilds = 0
+        self.removed = 0  # cached blocks that lost their content (evictions)
         self._memo_blocks: dict[str, list[Any]] = {}
         self._memo_keys: dict[str, list[Any]] = {}
         self.rebuild()
@@ -326,6 +376,7 @@ class PoolTracker:
         s = self.slot_of[block_id]
         if s < 0:
             return
+        self.removed += 1
         key = self.slot_key[s]
         self.slot_of[block_id] = -1
         self.slot_block[s] = -1
@@ -722,7 +773,9 @@ class PrefixExport:
         self.last_error: str | None = None
         self.spliced = 0
         self.superseded = 0
-        self._texts: dict[int, tuple[Any, bytes]] = {}  # blocks texts (the formatting thread's)
+        # The formatting thread's reuse of the last document's texts.
+        self._texts: dict[int, tuple[Any, bytes]] = {}
+        self._keys_text = KeysText()
 
     def capture(self, seq: int, running: Iterable[Any], waiting: Iterable[Iterable[Any]]) -> None:
         """Engine thread, right after the capture of snapshot ``seq``: keep the pool's state."""
@@ -780,7 +833,7 @@ class PrefixExport:
                     self.superseded += 1
                     return None
                 raise RuntimeError(f"no pool capture for snapshot {seq}")
-            out = _splice(payload, frame, self._seq_at, self._texts)
+            out = _splice(payload, frame, self._seq_at, self._texts, self._keys_text)
             self.spliced += 1
             return out
         except Exception as exc:
@@ -793,13 +846,17 @@ _ROW: Final = b',{"id":"'
 
 
 def _splice(
-    payload: bytes, frame: PrefixFrame, start: int, memo: dict[int, tuple[Any, bytes]]
+    payload: bytes,
+    frame: PrefixFrame,
+    start: int,
+    memo: dict[int, tuple[Any, bytes]],
+    keys_text: KeysText,
 ) -> bytes:
     i = payload.index(b'"free_blocks":', start)
     j = payload.index(b"}", i)
     k = payload.index(b',"requests":[', j)
     rows = payload[k + 13 : -2]
-    ext, fields = frame.format(memo)
+    ext, fields = frame.format(memo, keys_text)
     if not rows:
         if fields:
             raise RuntimeError(f"the document has no rows, the capture {len(fields)}")

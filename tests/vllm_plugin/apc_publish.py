@@ -182,10 +182,7 @@ def steps_mode(a: argparse.Namespace) -> int:
             summary["failures"] += run.pub.stats().failures
             if any(rec["preempted"] for rec in run.d.trace):
                 summary["preempting_runs"] += 1
-            if run.pub.prefix.tracker.epoch > 1 or any(  # type: ignore[union-attr]
-                len(r["kv"]["prefix_cache"]["keys"]) and r["kv"]["free_blocks"] < 50
-                for r in run.refs.values()
-            ):
+            if run.pub.prefix.tracker.removed:  # type: ignore[union-attr]
                 summary["evicting_runs"] += 1
             for r in run.refs.values():
                 pc = r["kv"]["prefix_cache"]

@@ -33,7 +33,8 @@ Scenarios (each for async and sync scheduling where it matters):
 
 With prefix caching on (``apc*``; ``--no-apc`` leaves them out) the pool is warmed
 first: ``--warm`` requests of 2000 distinct tokens each (one output token) leave
-~125 cached blocks apiece in the free queue (``--warm 240``: ~30,000), then the
+~125 cached blocks apiece in the free queue (``--warm 240``: 30,000; with the
+residents' own, ~39,700 of the 40,000 blocks are cached), then the
 256 residents share a 512-token system prompt and decode. ``apc`` is the
 ``default`` scenario with the ``kv.prefix_cache`` export, ``apc-inline`` the
 ``inline`` one, ``apc-disabled`` the floor with the cache on. The pool tracker's

@@ -347,3 +347,23 @@ def test_json_ints_twins_agree() -> None:
     a = np.array([0, -1, 7, (1 << 63) - 1, -(1 << 63), 1234567890123], dtype=np.int64)
     assert json_ints(a) == _json_ints_py(a) == b",".join(b"%d" % v for v in a.tolist())
     assert json_ints(np.zeros(0, dtype=np.int64)) == b""
+
+
+def test_keys_text_reprints_only_what_changed_and_equals_a_full_print() -> None:
+    import numpy as np
+
+    from bearsdk.vllm._prefix import KeysText
+
+    rng = np.random.default_rng(3)
+    kt = KeysText()
+    kt.CHUNK = 8  # type: ignore[misc]
+    keys = rng.integers(0, 1 << 62, 50, dtype=np.int64)
+    occ = rng.random(50) < 0.7
+    for _ in range(200):
+        n = int(rng.integers(1, 80))
+        keys = np.resize(keys, n).copy()
+        occ = np.resize(occ, n).copy()
+        for i in rng.integers(0, n, 3).tolist():
+            keys[i] = rng.integers(0, 1 << 62)
+            occ[i] = rng.random() < 0.7
+        assert kt.text(keys, occ) == json_ints(np.ascontiguousarray(keys[occ]))
