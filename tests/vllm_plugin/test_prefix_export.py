@@ -18,7 +18,8 @@ import pytest
 
 from bearsdk.snapshot import decode_snapshot
 from bearsdk.vllm import _pub_py
-from bearsdk.vllm._prefix import PoolTracker, PrefixExport, _json_ints_py, json_ints, key_of
+from bearsdk.vllm._prefix import PoolTracker, PrefixExport
+from bearsdk.vllm._prefix_frame import _json_ints_py, json_ints, key_of
 
 
 class Block:
@@ -341,6 +342,37 @@ def test_splice_keeps_a_document_without_its_capture() -> None:
     assert export.superseded == 1
 
 
+def test_a_pool_beyond_the_extensions_bound_publishes_plain_snapshots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Validation would reject the document with the extension: it goes out
+    # without it, as with the cache off, and the export says why. (Such a pool
+    # is not a physical one: 2^19 blocks are 8M tokens of KV in 16-token blocks.)
+    from bearsdk.vllm import _prefix
+
+    e = Engine(40, 1)
+    tracker = PoolTracker(e.pool, e.mgr, BS)
+    export = PrefixExport(tracker, _pub_py.json_head("x", "e"))
+    cap = _pub_py.Capture("x", "e", BS, 40)
+    for _ in range(200):
+        e.step()
+    cached = tracker.top - len(tracker.holes)
+    assert cached > 3
+    monkeypatch.setattr(_prefix, "MAX_CACHE_ENTRIES", cached - 1)
+    doc = _document(e, 9, cap)
+    export.capture(9, e.running, (e.waiting,))
+    out = export.splice(doc)
+    assert out == doc
+    assert "prefix_cache" not in json.loads(out)["kv"]
+    assert "more than kv.prefix_cache carries" in str(export.last_error)
+    monkeypatch.setattr(_prefix, "MAX_CACHE_ENTRIES", cached)
+    doc = _document(e, 10, cap)
+    export.capture(10, e.running, (e.waiting,))
+    out = export.splice(doc)
+    assert out is not None
+    assert decode_snapshot(out).prefix_cache is not None
+
+
 def test_json_ints_twins_agree() -> None:
     import numpy as np
 
@@ -352,7 +384,7 @@ def test_json_ints_twins_agree() -> None:
 def test_keys_text_reprints_only_what_changed_and_equals_a_full_print() -> None:
     import numpy as np
 
-    from bearsdk.vllm._prefix import KeysText
+    from bearsdk.vllm._prefix_frame import KeysText
 
     rng = np.random.default_rng(3)
     kt = KeysText()
