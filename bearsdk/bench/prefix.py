@@ -164,8 +164,8 @@ async def _published(eng: Any) -> None:
             await anyio.sleep(0.0005)
 
 
-def _mape(rows: list[dict[str, Any]], key: str) -> float:
-    return 100.0 * statistics.fmean(abs(r[key] - r["ttft"]) / r["ttft"] for r in rows)
+def _mape(rows: list[dict[str, Any]], key: str, truth: str = "ttft") -> float:
+    return 100.0 * statistics.fmean(abs(r[key] - r[truth]) / r[truth] for r in rows)
 
 
 def _report(
@@ -186,6 +186,8 @@ def _report(
         },
         "mape_pct_later_turns": {k: round(_mape(later, k), 2) for k in KINDS} if later else None,
         "mape_pct_first_turns": {k: round(_mape(first, k), 2) for k in KINDS} if first else None,
+        # Against the TTFTs as measured, the host's lateness included.
+        "mape_pct_raw": {k: round(_mape(rows, k, "ttft_raw"), 2) for k in KINDS},
     }
     # How well the emulator kept real time: a loaded machine makes the engine
     # idle between batches, time no model of the GPU can know of.
@@ -353,6 +355,7 @@ def _main(args: argparse.Namespace) -> int:
         ("mape_pct", "all turns"),
         ("mape_pct_later_turns", "turns 2+"),
         ("mape_pct_first_turns", "first turns"),
+        ("mape_pct_raw", "as measured"),
     ):
         m = report[name]
         if m:
