@@ -3,6 +3,9 @@
 Two implementations honour one contract:
 
 * ``_replay_c`` (built from ``cext/_replay_c.pyx``): the compiled loop, used by default.
+  A snapshot prepared with its block pool (``prepare(..., cache=...)`` under a
+  prefix-caching policy) runs in its sibling ``_replay_apc_c``
+  (``cext/_replay_apc_c.pyx``), which forms batches block by block.
 * ``_replay_py``: the pure-Python twin, the readable reference and the test oracle.
 
 The twin runs the live scheduler (:mod:`bearsdk.replay.scheduler`,
