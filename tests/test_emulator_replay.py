@@ -13,6 +13,7 @@ import pytest
 
 from bearsdk.emulator import EmulatedEngine, EngineConfig, PublishedSnapshot, RequestHandle
 from bearsdk.replay import implementations
+from bearsdk.replay.blocks import chain_keys
 from bearsdk.schedulers import compile_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
@@ -93,6 +94,11 @@ async def test_replay_from_published_snapshot_predicts_first_token_batch(case: s
         for snap, h, p, n in probes:
             s = snapshot_from_dict(snap.doc)
             assert s.kv is not None
-            res = rp.replay(rp.prepare(s.table, s.kv.free_blocks), p, n, max_tokens=n)
+            # With the cache (vllm-v1 as vLLM runs it), the snapshot's blocks and
+            # the probe's own content keys.
+            prep = rp.prepare(s.table, s.kv.free_blocks, cache=s.prefix_cache)
+            ids = h.plan.prompt_ids
+            keys = chain_keys(ids, policy.block_size) if ids is not None else None
+            res = rp.replay(prep, p, n, max_tokens=n, prefix_keys=keys)
             assert h.first_token_batch > snap.batches
             assert res.first_token_batch == h.first_token_batch - snap.batches, (impl, h.id)

@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action=argparse.BooleanOptionalAction,
         default=None,
         help="automatic prefix caching, as vLLM's flag (default: the scheduler's "
-        "enable_prefix_caching, off in vllm-v1 for now)",
+        "enable_prefix_caching, on in vllm-v1 as in vLLM)",
     )
     p.add_argument(
         "--enable-prompt-tokens-details",

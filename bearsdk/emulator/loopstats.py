@@ -42,15 +42,11 @@ class LoopMeter:
     idle_gpu_s: float = 0.0
     # The recent idle spans (start, end): what a measurement that should see
     # the emulated GPU, not the machine running it, takes off.
-    idle_spans: deque[tuple[float, float]] = attrs.field(
-        factory=lambda: deque(maxlen=_LAG_SAMPLES)
-    )
+    idle_spans: deque[tuple[float, float]] = attrs.field(factory=lambda: deque(maxlen=_LAG_SAMPLES))
 
     def idle_between(self, start: float, end: float) -> float:
         """Idle GPU time (work waiting) between ``start`` and ``end``, over the recent spans."""
-        return sum(
-            max(0.0, min(b, end) - max(a, start)) for a, b in self.idle_spans if b > start
-        )
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.idle_spans if b > start)
 
     def stats(self) -> LoopStats:
         """The summary over the recent steps."""

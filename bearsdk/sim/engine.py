@@ -136,9 +136,16 @@ def bind_engine(
         EngineConfigError: Inconsistent parameters.
         SpecError: Unknown scheduler or bad parameter.
     """
-    cfg = EngineConfig(
-        profile=profile, scheduler=scheduler, params=dict(params or {}), serve_http=False
-    )
+    p = dict(params or {})
+    from bearsdk.schedulers import get_scheduler
+
+    if "enable_prefix_caching" in get_scheduler(scheduler).params:
+        # The simulator's workloads carry no token ids, so a cache could hit
+        # only a preempted request's own blocks, and its closed-form decode runs
+        # count blocks: its engines leave the cache off unless a pool entry's
+        # params turn it on.
+        p.setdefault("enable_prefix_caching", False)
+    cfg = EngineConfig(profile=profile, scheduler=scheduler, params=p, serve_http=False)
     return EmulatedEngine(cfg)
 
 
@@ -350,7 +357,8 @@ class SimEngine:
         its last or at its cap, or a KV block could run short.
         """
         core = self._core
-        if self._depth != 2 or core.waiting or len(core.queue) != 1:
+        if self._depth != 2 or core.waiting or len(core.queue) != 1 or core.pool is not None:
+            # (a prefix-caching pool names every block: no closed form)
             return False
         prev = core.queue[0]
         running = core.running
