@@ -1,7 +1,7 @@
 """The live scheduler's incremental ``kv.prefix_cache`` export against the export from scratch.
 
 A live :class:`SchedulerCore` wires its block pool on its first snapshot
-(:class:`~bearsdk.replay.blocks.WiredPool`): the wire numbering is then kept as
+(:class:`~bearsdk.replay.wired.WiredPool`): the wire numbering is then kept as
 blocks are cached, evicted, touched and released, and a snapshot copies it.
 Its documents must restore to what :func:`export_reference` (the walk over
 every block) gives, at any step: the cached blocks may be numbered
@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 
 import bearsdk
 from bearsdk.replay import ScheduledBatch, SchedulerCore
-from bearsdk.replay import blocks as blocks_mod
+from bearsdk.replay import wired as wired_mod
 from bearsdk.replay._replay_py import Replayer as PyReplayer
-from bearsdk.replay.blocks import BlockPool, WiredPool, chain_keys
+from bearsdk.replay.blocks import BlockPool, chain_keys
 from bearsdk.replay.prefix import export, export_reference, restore
 from bearsdk.replay.requests import CachedReq
+from bearsdk.replay.wired import WiredPool
 from bearsdk.snapshot import snapshot_from_dict
 
 BS = 16
@@ -177,14 +178,14 @@ def test_the_incremental_export_is_the_export_from_scratch(
     chunk: int,
     forget: int,
 ) -> None:
-    saved = blocks_mod._CHUNK, blocks_mod._FORGET
+    saved = wired_mod._CHUNK, wired_mod._FORGET
     # Tiny chunks: the free list splits and joins; a tiny log: the export
     # forgets what it remembered between snapshots.
-    blocks_mod._CHUNK, blocks_mod._FORGET = chunk, forget
+    wired_mod._CHUNK, wired_mod._FORGET = chunk, forget
     try:
         _drive(name, arrivals, steps, seed)
     finally:
-        blocks_mod._CHUNK, blocks_mod._FORGET = saved
+        wired_mod._CHUNK, wired_mod._FORGET = saved
 
 
 def _drive(
@@ -257,8 +258,8 @@ def test_a_wired_pool_schedules_as_a_plain_one(seed: int, alphabet: int, chunk: 
     # Keys from a small alphabet, so that equal content is cached many times
     # over and evicted in any order; tiny free-list chunks split and join.
     rng = random.Random(seed)
-    saved = blocks_mod._CHUNK
-    blocks_mod._CHUNK = chunk
+    saved = wired_mod._CHUNK
+    wired_mod._CHUNK = chunk
     try:
         plain = BlockPool(50, reserved=1)
         wired = plain.copy()
@@ -311,7 +312,7 @@ def test_a_wired_pool_schedules_as_a_plain_one(seed: int, alphabet: int, chunk: 
                 for _, bs in plain._cached.items():
                     assert [wi[b] for b in bs] == sorted(wi[b] for b in bs)
     finally:
-        blocks_mod._CHUNK = saved
+        wired_mod._CHUNK = saved
     assert type(plain.copy()) is BlockPool
     assert type(wired.copy()) is BlockPool  # replays run on plain copies
 

@@ -224,10 +224,10 @@ def export_cost(snapshots: int = 60, seed: int = 3) -> dict[str, Any]:
     """
     import time
 
-    from bearsdk.replay.blocks import WiredPool
     from bearsdk.replay.prefix import export, export_reference
     from bearsdk.replay.requests import CachedReq
     from bearsdk.replay.scheduler import SchedulerCore
+    from bearsdk.replay.wired import WiredPool
     from bearsdk.schedulers import bind_scheduler
 
     bs = 16

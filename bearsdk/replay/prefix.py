@@ -13,7 +13,8 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bearsdk.prefix_cache import runs
-from bearsdk.replay.blocks import KEY_MASK, BlockPool, WiredPool
+from bearsdk.replay.blocks import KEY_MASK, BlockPool
+from bearsdk.replay.wired import WiredPool
 
 if TYPE_CHECKING:
     from bearsdk.prefix_cache import PrefixCacheState
@@ -32,7 +33,7 @@ def export(
 ) -> Export:
     """The ``kv.prefix_cache`` object and each resident's block fields.
 
-    A :class:`~bearsdk.replay.blocks.WiredPool` (a live scheduler's) is
+    A :class:`~bearsdk.replay.wired.WiredPool` (a live scheduler's) is
     exported from the wire numbering it keeps: the keys and the free list are
     list copies, and a resident's blocks are remembered from the last export
     (by its tag) and extended, so a snapshot costs the blocks that changed,

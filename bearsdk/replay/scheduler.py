@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from bearsdk.replay.blocks import BlockPool, WiredPool, chain_keys
+from bearsdk.replay.blocks import BlockPool, chain_keys
 from bearsdk.replay.prefix import export as export_blocks
 from bearsdk.replay.requests import (
     FINISHED,
@@ -34,6 +34,7 @@ from bearsdk.replay.requests import (
     cdiv,
 )
 from bearsdk.replay.types import BatchRecord, ReplayResult, StopReason
+from bearsdk.replay.wired import WiredPool
 
 if TYPE_CHECKING:
     # Typing only: the scheduler package compiles specs for the replay, not
