@@ -1,17 +1,20 @@
 """BEAR (eq. 5), its Lagrangian relaxation (eq. 7), and the latency-agnostic router.
 
 Ties break on the next criterion, not by position: among options with the same
-score, the lower predicted TTFT, then the lighter load (resident, then
-unfinished requests), then a draw from the selector's seeded generator. Two
-identical instances therefore share the load instead of the first one taking
-every request (decisions stay reproducible for a given seed).
+score, the lower predicted TTFT, then, with a ``seed``, a seeded pseudo-random
+draw, else the earlier option. Two identical instances therefore share the load
+instead of the first one taking every request: the one a request went to looks
+slower to the next. Not the in-flight counts: a replica knows only its own, so
+with them replicas that share their view (a shared overlay) would decide unlike
+one router. The draw is a hash of the seed and the state (the predicted TTFTs,
+else the counts), so a decision stays a function of the state.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
+from typing import Final
 
 import attrs
 
@@ -31,7 +34,7 @@ def _argmax(
     values: Sequence[float],
     allowed: Sequence[bool] | None = None,
     options: Sequence[Option] | None = None,
-    rng: random.Random | None = None,
+    salt: int | None = None,
 ) -> int:
     """The best allowed index; ties broken as the module says (``-1``: none allowed).
 
@@ -49,38 +52,58 @@ def _argmax(
             ties.append(i)
     if len(ties) < 2 or options is None:
         return ties[0] if ties else -1
-    return _break_tie(ties, options, rng)
+    return _break_tie(ties, options, salt)
 
 
-def _break_tie(ties: list[int], options: Sequence[Option], rng: random.Random | None) -> int:
+_M1: Final = 0x9E3779B97F4A7C15
+_M2: Final = 0xBF58476D1CE4E5B9
+_MASK64: Final = (1 << 64) - 1
+
+
+def _draw(salt: int, state: int, n: int) -> int:
+    """A pseudo-random index in ``[0, n)`` from a salt and a state (splitmix-style)."""
+    z = ((salt * _M1) ^ (state * _M2)) & _MASK64
+    z = ((z ^ (z >> 30)) * _M2) & _MASK64
+    z ^= z >> 31
+    return z % n
+
+
+def _break_tie(ties: list[int], options: Sequence[Option], salt: int | None) -> int:
     # The lower predicted TTFT (unknown, nan, says nothing; inf is the worst).
     ttft = [options[i].ttft_s for i in ties]
     known = [t for t in ttft if not math.isnan(t)]
     if known:
         low = min(known)
         ties = [i for i, t in zip(ties, ttft, strict=True) if t == low]
-    if len(ties) > 1:
-        load = [(options[i].queue, options[i].unfinished) for i in ties]
-        light = min(load)
-        ties = [i for i, x in zip(ties, load, strict=True) if x == light]
-    if len(ties) > 1 and rng is not None:
-        return ties[rng.randrange(len(ties))]
+    if len(ties) > 1 and salt is not None:
+        return ties[_draw(salt, _state(options), len(ties))]
     return ties[0]
+
+
+def _state(options: Sequence[Option]) -> int:
+    """What the draw hashes: the predicted TTFTs (nanoseconds), else the load.
+
+    Both move with every dispatch, so successive ties land on different
+    instances; the TTFTs come from the instances' views, which replicas
+    sharing an overlay have in common, where the in-flight counts are each
+    replica's own.
+    """
+    ttft = [o.ttft_s for o in options if math.isfinite(o.ttft_s)]
+    if ttft:
+        return round(sum(ttft) * 1e6)  # microseconds: coarser than any rounding
+    return sum(o.queue + o.unfinished for o in options)
 
 
 @attrs.frozen
 class TieBreaking:
-    """What every built-in selector shares: the seeded generator that draws among ties.
+    """What every built-in selector shares: how it draws among exact ties.
 
     Args:
-        seed: Seeds the draws (``None``: fresh entropy).
+        seed: Salts a pseudo-random draw among options still tied after the
+            TTFT and the load (``None``: the earlier option).
     """
 
-    seed: int | None = attrs.field(default=0, kw_only=True)
-    _rng: random.Random = attrs.field(init=False, eq=False, hash=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "_rng", random.Random(self.seed))
+    seed: int | None = attrs.field(default=None, kw_only=True)
 
     def _best(
         self,
@@ -88,22 +111,22 @@ class TieBreaking:
         options: Sequence[Option],
         allowed: Sequence[bool] | None = None,
     ) -> int:
-        return _argmax(values, allowed, options, self._rng)
+        return _argmax(values, allowed, options, self.seed)
 
 
-def _bear(options: Sequence[Option], target: float, rng: random.Random) -> Selection:
+def _bear(options: Sequence[Option], target: float, salt: int | None) -> Selection:
     utility = [o.utility for o in options]
     feasible = [o.ttft_s <= target for o in options]
     if any(feasible):
         return Selection(
-            _argmax(utility, feasible, options, rng),
+            _argmax(utility, feasible, options, salt),
             tuple(utility),
             tuple(feasible),
             "best utility among instances predicted to meet the target",
         )
     neg_ttft = [-o.ttft_s for o in options]
     return Selection(
-        _argmax(neg_ttft, None, options, rng),
+        _argmax(neg_ttft, None, options, salt),
         tuple(utility),
         tuple(feasible),
         "no instance predicted to meet the target: lowest predicted TTFT",
@@ -126,7 +149,7 @@ class BEAR(TieBreaking):
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s, self._rng)
+        return _bear(options, ttft_target_s, self.seed)
 
 
 @attrs.frozen
@@ -139,7 +162,7 @@ class PrefillTPS(TieBreaking):
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s, self._rng)
+        return _bear(options, ttft_target_s, self.seed)
 
 
 @attrs.frozen
