@@ -39,7 +39,7 @@ import numpy.typing as npt
 from bearsdk.emulator import BatchShape, EmulatedEngine, EngineConfig, GroundTruthParams
 from bearsdk.emulator.timing import GroundTruthTimeModel
 from bearsdk.replay import ScheduledBatch, SchedulerCore, StepOutput
-from bearsdk.schedulers import Policy, compile_scheduler
+from bearsdk.schedulers import Policy, compile_scheduler, get_scheduler
 from bearsdk.snapshot import NCOLS, KVState, Snapshot
 
 __all__ = ["BatchNoise", "EngineEvent", "SimEngine", "bind_engine"]
@@ -137,8 +137,6 @@ def bind_engine(
         SpecError: Unknown scheduler or bad parameter.
     """
     p = dict(params or {})
-    from bearsdk.schedulers import get_scheduler
-
     if "enable_prefix_caching" in get_scheduler(scheduler).params:
         # The simulator's workloads carry no token ids, so a cache could hit
         # only a preempted request's own blocks, and its closed-form decode runs
