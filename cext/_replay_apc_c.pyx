@@ -34,7 +34,7 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
-    R_FIRST_TOKEN, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
+    R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, imax, imin,
     read_policy,
 )
@@ -48,7 +48,7 @@ import numpy as np
 from bearsdk.errors import short_repr
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY as _MAX_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_policy, check_running, check_table, check_tokens,
+    StopReason, check_horizon, check_policy, check_running, check_table, check_tokens,
 )
 from bearsdk.snapshot import (
     COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
@@ -213,6 +213,7 @@ ctypedef struct St:
     double b3
     double tau
     double t
+    double horizon  # stop past it before the first token (INFINITY: never)
     bint record
     int64_t* log
     int64_t n_log
@@ -996,6 +997,8 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                 log_batch(st, b, dt)
             if b.has_new:
                 return R_FIRST_TOKEN
+            if st.t > st.horizon:
+                return R_HORIZON
         else:
             # Nothing scheduled and nothing in flight that could free a seat
             # or a block: the new request can never be served.
@@ -1465,6 +1468,7 @@ cdef class Replayer:
         st.k = 0
         st.work = 0
         st.max_work = MAX_WORK
+        st.horizon = INFINITY
         st.t = 0.0
         st.record = record
         st.n_log = 0
@@ -1496,9 +1500,11 @@ cdef class Replayer:
         return 0
 
     def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1,
-             prefix_keys=None):
+             prefix_keys=None, horizon_s=INFINITY):
         """Return only the predicted time to first token (``inf`` when never)."""
+        cdef double horizon = INFINITY if horizon_s == INFINITY else check_horizon(horizon_s)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, prefix_keys)
+        self.st.horizon = horizon
         cdef int rc
         with nogil:
             rc = go(&self.st, 1_000_000)
@@ -1506,7 +1512,7 @@ cdef class Replayer:
 
     def replay(self, Prepared prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1, max_work=None, prefix_keys=None):
+               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay`` (``max_work`` counts
@@ -1515,8 +1521,10 @@ cdef class Replayer:
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         cdef int64_t work = check_tokens(
             _MAX_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
+        cdef double horizon = check_horizon(horizon_s)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, prefix_keys)
         self.st.max_work = work
+        self.st.horizon = horizon
         cdef int rc
         with nogil:
             rc = go(&self.st, limit)
@@ -1525,6 +1533,8 @@ cdef class Replayer:
             return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
         if rc == R_LIMIT:
             return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
+        if rc == R_HORIZON:
+            return ReplayResult(0, self.st.t, StopReason.HORIZON, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
 
     @property

@@ -28,7 +28,7 @@ from libc.string cimport memcpy, memset
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
-    R_FIRST_TOKEN, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
+    R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
     cdiv, imax, imin, read_policy,
 )
@@ -39,7 +39,7 @@ from bearsdk.replay import _replay_apc_c
 
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK as _MAX_REPLAY_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_policy, check_running, check_table,
+    StopReason, check_horizon, check_policy, check_running, check_table,
     check_tokens,
 )
 from bearsdk.snapshot import (
@@ -52,6 +52,8 @@ IMPLEMENTATION = "cython"
 cdef extern from "math.h" nogil:
     double INFINITY
     double fmax(double, double)
+    double sqrt(double)
+    double floor(double)
 
 # ---------------------------------------------------------------------------
 # Policy, specialisation tags
@@ -217,6 +219,7 @@ ctypedef struct State:
     double b3
     double tau           # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
     double t
+    double horizon       # stop past it before the first token (INFINITY: never)
     # optional batch log
     bint record
     int64_t* log
@@ -1254,6 +1257,33 @@ cdef int log_batch(State* st, Batch* b, double dt) except -1 nogil:
     return 0
 
 
+cdef inline int64_t horizon_run_limit(State* st, int64_t m) noexcept nogil:
+    """Cap a closed-form run so that it ends before the horizon, with a margin.
+
+    The run's batch j costs a + g * j (contexts grow by n_lazy per batch), so
+    m batches cost m * a + g * m * (m - 1) / 2; the largest m that stays within
+    the time left solves a quadratic. Two batches short of it, the ordinary
+    path meets the horizon batch by batch, exactly where the twin does
+    (summation order only moves the crossing by rounding, far below a batch).
+    """
+    cdef double left, a, g, p, disc, bound
+    if st.horizon == INFINITY or m <= 0:
+        return m
+    left = st.horizon - st.t
+    if left <= 0.0:
+        return 0
+    a = st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * (st.s_base + st.n_lazy * st.vt)
+    g = st.b2 * st.n_lazy
+    p = a - g / 2.0
+    disc = p * p + 2.0 * g * left
+    if p + sqrt(disc) <= 0.0:
+        return m  # batches that cost nothing never reach a horizon
+    bound = floor(2.0 * left / (p + sqrt(disc))) - 2.0
+    if bound < <double>m:
+        return imax(<int64_t>bound, 0)
+    return m
+
+
 cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except -1 nogil:
     """Advance over identical decode-only batches in closed form; return how many."""
     cdef int64_t m, budget, j, v
@@ -1285,6 +1315,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
     if e != NULL:
         m = imin(m, e.key + depth - st.vt)
     m = kv_run_limit(st, m)
+    m = horizon_run_limit(st, m)
     if m < 2:
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
@@ -1345,6 +1376,8 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
                 log_batch(st, b, dt)
             if st.found:
                 return R_FIRST_TOKEN
+            if st.t > st.horizon:
+                return R_HORIZON
             if st.k >= max_batches:
                 return R_LIMIT
         else:
@@ -1812,6 +1845,7 @@ cdef class Replayer:
         st.k = 0
         st.work = 0
         st.max_work = MAX_REPLAY_WORK_C
+        st.horizon = INFINITY
         st.t = 0.0
         st.materialized = False
         st.force_slow = self.force_slow or pr.exact or pr.exact_b0
@@ -1845,13 +1879,16 @@ cdef class Replayer:
                 samp_add(b0, pr.b0_samp[i], 0, pr.r[pr.b0_samp[i]].ph)  # gen 0: as prepared
         return 0
 
-    def ttft(self, prepared, prompt_tokens, output_len, coeffs, max_tokens=-1, prefix_keys=None):
+    def ttft(self, prepared, prompt_tokens, output_len, coeffs, max_tokens=-1, prefix_keys=None,
+             horizon_s=INFINITY):
         """Return only the predicted time to first token (``inf`` when never)."""
         self._last_apc = type(prepared) is not Prepared
         if self._last_apc:
             return self._apc_of(prepared).ttft(
-                prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys)
+                prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys, horizon_s)
+        cdef double horizon = INFINITY if horizon_s == INFINITY else check_horizon(horizon_s)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
+        self.st.horizon = horizon
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, 1_000_000)
@@ -1860,7 +1897,7 @@ cdef class Replayer:
 
     def replay(self, prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1, max_work=None, prefix_keys=None):
+               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``; ``max_work`` counts
@@ -1872,12 +1909,14 @@ cdef class Replayer:
         if self._last_apc:
             return self._apc_of(prepared).replay(
                 prepared, prompt_tokens, output_len, coeffs, record, max_batches, max_tokens,
-                max_work, prefix_keys)
+                max_work, prefix_keys, horizon_s)
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         cdef int64_t work = check_tokens(
             _MAX_REPLAY_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
+        cdef double horizon = check_horizon(horizon_s)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record)
         self.st.max_work = work
+        self.st.horizon = horizon
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, limit)
@@ -1888,6 +1927,8 @@ cdef class Replayer:
             return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
         if rc == R_LIMIT:
             return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
+        if rc == R_HORIZON:
+            return ReplayResult(0, self.st.t, StopReason.HORIZON, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
 
     cdef object _apc_of(self, prepared):

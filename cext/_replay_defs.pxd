@@ -27,6 +27,7 @@ cdef enum:
     R_FIRST_TOKEN = 0
     R_NEVER = 1
     R_LIMIT = 2
+    R_HORIZON = 3   # past the horizon before the first token (StopReason.HORIZON)
 
 ctypedef struct Params:
     int64_t token_budget

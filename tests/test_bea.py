@@ -127,6 +127,37 @@ def test_hot_path_equals_full_estimate(impl: str) -> None:
             assert est.ttft(prep, p, 50, cap) == pytest.approx(full)
 
 
+def test_a_horizon_bounds_the_estimate_with_the_batch_in_flight(impl: str) -> None:
+    # A long waiting queue ahead: the full replay forms many batches.
+    reqs = [dec(f"d{i}", 800, 20, 400, 1) for i in range(8)]
+    reqs += [RequestState(f"w{i}", "waiting", 3000, 0, 0, 200, 100) for i in range(12)]
+    snap = Snapshot.build(reqs, kv=KVState(16, 20000, 15000), inflight_remaining_s=0.004)
+    est = BEAEstimator(
+        bearsdk.bind_scheduler("vllm-v1", {"max_num_batched_tokens": 2048}), BT, implementation=impl
+    )
+    prep = est.prepare(snap)
+    full = est.estimate(prep, 500, 50, explain=True)
+    assert full.stop_reason is StopReason.FIRST_TOKEN
+    assert full.batches is not None
+    assert len(full.batches) > 10
+    # Past the answer, the horizon changes nothing.
+    assert est.estimate(prep, 500, 50, horizon_s=full.ttft_s * 1.01).ttft_s == full.ttft_s
+    # Short of it: a lower bound past the horizon, after the batches that reach it.
+    h = 0.004 + sum(b.duration_s for b in full.batches[:3]) - 1e-6
+    cut = est.estimate(prep, 500, 50, explain=True, horizon_s=h)
+    assert cut.stop_reason is StopReason.HORIZON
+    assert cut.lower_bound
+    assert cut.batches == full.batches[:3]
+    assert h < cut.ttft_s < full.ttft_s
+    assert est.ttft(prep, 500, 50, horizon_s=h) == pytest.approx(cut.ttft_s)
+    # The batch in flight alone reaches the horizon: one batch replayed.
+    tiny = est.estimate(prep, 500, 50, explain=True, horizon_s=0.003)
+    assert tiny.stop_reason is StopReason.HORIZON
+    assert tiny.batches == full.batches[:1]
+    with pytest.raises(ValueError, match="horizon_s"):
+        est.ttft(prep, 500, 50, horizon_s=-1.0)
+
+
 def test_snapshot_kv_overrides_policy_geometry(impl: str) -> None:
     snap = Snapshot.build([dec("a", 64, 1, 100)], kv=KVState(32, 500, 497))
     est = BEAEstimator(

@@ -11,6 +11,8 @@ allocation evicts) still fails here.
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from typing import cast
 
@@ -101,14 +103,36 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
     # Several new requests against one prepared state: each replay starts from it.
     for pfx, shared, plen, out in news:
         keys = chain_keys(tokens(rng, pfx, shared, plen), pol.block_size)
-        for limit in (stop_after, 1_000_000):
+        ends: list[float] = []
+        # Stopped by the batch limit, run to the end, stopped by a horizon midway
+        # through the batch the limit stopped at.
+        for limit, horizon in ((stop_after, math.inf), (1_000_000, math.inf), (1_000_000, -1.0)):
+            if horizon < 0:
+                if len(ends) < 2:
+                    continue
+                j = min(stop_after, len(ends) - 1) - 1
+                horizon = ((ends[j - 1] if j else 0.0) + ends[j]) / 2
             core = SchedulerCore.from_prepared(geo, pp, True, COEFFS)
             new = cast(CachedReq, geo.make_req(NEW_REQUEST_ID, plen, 0, out, -1, CachedReq))
             new.keys = keys[: plen // pol.block_size]
             core.waiting.append(new)
-            want = core.go(new, limit, 10**9)
-            got = cr.replay(cp, plen, out, COEFFS, record=True, max_batches=limit, prefix_keys=keys)
+            want = core.go(new, limit, 10**9, horizon)
+            got = cr.replay(
+                cp,
+                plen,
+                out,
+                COEFFS,
+                record=True,
+                max_batches=limit,
+                prefix_keys=keys,
+                horizon_s=horizon,
+            )
             assert got == want
+            if math.isfinite(horizon) and horizon > 0:
+                assert got.stop_reason == "horizon"
+            elif limit == 1_000_000:
+                assert want.batches is not None
+                ends = list(itertools.accumulate(b.duration_s for b in want.batches))
             assert got.batches is not None
             assert want.batches is not None
             assert [b.tokens_by_request for b in got.batches] == [

@@ -338,3 +338,77 @@ def test_custom_policies_agree(data: st.DataObject) -> None:
     w = data.draw(workload(pol))
     assume(len(w["table"]) <= 28)
     _check(pol, w)
+
+
+def _check_horizon(pol: BoundScheduler, w: dict[str, Any], where_frac: float) -> None:
+    """A horizon stops both twins at the first batch past it, and nowhere else."""
+    tw = compile_scheduler(pol, "python")
+    full = tw.replay(
+        tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True, max_batches=MAX_BATCHES
+    )
+    assert full.batches is not None
+    ends = list(np.cumsum([b.duration_s for b in full.batches]))
+    if full.stop_reason == "first-token" and len(ends) >= 2:
+        # Between two batch ends before the first token's (never on one).
+        j = min(int(where_frac * (len(ends) - 1)), len(ends) - 2)
+        lo = ends[j - 1] if j else 0.0
+        if ends[j] - lo < 1e-9:
+            return
+        horizon = lo + (ends[j] - lo) / 2
+        want = list(full.batches[: j + 1])
+        reason = "horizon"
+    else:
+        horizon = (ends[-1] if ends else 0.0) + 1.0
+        want = list(full.batches)
+        reason = str(full.stop_reason)
+    c = compile_scheduler(pol, "cython")
+    for rp, slow in ((tw, False), (c, False), (c, True)):
+        if rp is c:
+            c.force_slow = slow
+        try:
+            prep = rp.prepare(w["table"])
+            got = rp.replay(
+                prep,
+                w["prompt"],
+                w["out"],
+                COEFFS,
+                record=True,
+                max_batches=MAX_BATCHES,
+                horizon_s=horizon,
+            )
+            t = rp.ttft(prep, w["prompt"], w["out"], COEFFS, horizon_s=horizon)
+        finally:
+            c.force_slow = False
+        where = f"{rp.implementation} slow={slow} policy {pol}\nhorizon {horizon}"
+        assert str(got.stop_reason) == reason, where
+        assert got.batches is not None
+        assert list(got.batches) == want, where
+        if reason == "horizon":
+            assert got.lower_bound, where
+            assert got.ttft_s > horizon, where
+            assert got.ttft_s == pytest.approx(ends[j], rel=1e-9), where
+            assert t == pytest.approx(got.ttft_s, rel=1e-9), where
+        elif math.isfinite(full.ttft_s):
+            assert got.ttft_s == pytest.approx(full.ttft_s, rel=1e-9, abs=1e-12), where
+
+
+@pytest.mark.parametrize("name", ["vllm-v1", "sarathi", "prefill-first"])
+def test_a_horizon_stops_both_twins_at_the_same_batch(name: str) -> None:
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        pol = data.draw(builtin_policy(name))
+        _check_horizon(pol, data.draw(workload(pol)), data.draw(st.floats(0.0, 1.0)))
+
+    run()
+
+
+@pytest.mark.parametrize("impl", sorted(implementations()))
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1", True, None])
+def test_a_bad_horizon_is_refused_by_name(impl: str, bad: object) -> None:
+    rp = compile_scheduler(get_scheduler("vllm-v1").bind({}), impl)
+    prep = rp.prepare(np.zeros((0, NCOLS), dtype=np.int64))
+    with pytest.raises(ValueError, match="horizon_s"):
+        rp.replay(prep, 10, 5, COEFFS, horizon_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="horizon_s"):
+        rp.ttft(prep, 10, 5, COEFFS, horizon_s=bad)  # type: ignore[arg-type]

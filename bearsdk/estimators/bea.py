@@ -10,6 +10,8 @@ unless that is what frees the memory or the seat the new request waits for.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +20,7 @@ import attrs
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
-from bearsdk.replay.types import BatchRecord, StopReason
+from bearsdk.replay.types import BatchRecord, StopReason, check_horizon
 from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
 from bearsdk.snapshot import Snapshot
 
@@ -28,6 +30,19 @@ __all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate"]
 def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
     """The coefficients the replay loops take: eq. 12, plus the dense floor when on."""
     return bt.extended_coeffs if bt.has_dense_floor else bt.coeffs
+
+
+def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot) -> float:
+    """The replay's horizon: the caller's, less the batch in flight (which it adds back).
+
+    A batch in flight that already reaches the horizon leaves the replay the
+    smallest one there is: it stops after its first batch, past the horizon.
+    """
+    if horizon_s == math.inf:
+        return horizon_s
+    inflight = prepared.snapshot.inflight_remaining_s or 0.0
+    h = check_horizon(horizon_s)
+    return max(h - inflight, sys.float_info.min)
 
 
 @attrs.frozen
@@ -55,11 +70,11 @@ class TTFTEstimate:
         """``ttft_s`` is only a lower bound, not an estimate.
 
         The replay reached its batch or work bound
-        (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`) before the first token:
-        ``ttft_s`` is the time of the batches replayed (plus the batch in
-        flight), and the true TTFT is at least that.
+        (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`), or the horizon it was
+        given, before the first token: ``ttft_s`` is the time of the batches
+        replayed (plus the batch in flight), and the true TTFT is at least that.
         """
-        return self.stop_reason is StopReason.BATCH_LIMIT
+        return self.stop_reason in (StopReason.BATCH_LIMIT, StopReason.HORIZON)
 
 
 @attrs.frozen(eq=False)
@@ -139,6 +154,7 @@ class BEAEstimator:
         max_tokens: int | None = None,
         explain: bool = False,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> TTFTEstimate:
         """Predict the TTFT of a new request joining the instance's waiting queue.
 
@@ -151,6 +167,10 @@ class BEAEstimator:
             prefix_keys: Content keys of its full prompt blocks
                 (:func:`~bearsdk.replay.blocks.chain_keys`): with a prefix-cache
                 snapshot, its admission hits what of them is cached by then.
+            horizon_s: Stop once the TTFT is known to exceed this (seconds, the
+                batch in flight included): the estimate is then a lower bound
+                past it (:attr:`TTFTEstimate.lower_bound`), at a cost bounded by
+                the horizon rather than by the queue ahead.
 
         Returns:
             The estimate.
@@ -174,6 +194,7 @@ class BEAEstimator:
             record=explain,
             max_tokens=-1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
+            horizon_s=_replay_horizon(horizon_s, prep),
         )
         inflight = prep.snapshot.inflight_remaining_s or 0.0
         return TTFTEstimate(
@@ -191,11 +212,13 @@ class BEAEstimator:
         output_len: int,
         max_tokens: int | None = None,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> float:
         """The hot path: predicted TTFT in seconds, nothing else (``inf`` when never).
 
-        A replay that reaches the work bound returns the lower bound it reached
-        (see :attr:`TTFTEstimate.lower_bound`): a long wait, ranked as such.
+        A replay that reaches the work bound or ``horizon_s`` returns the lower
+        bound it reached (see :attr:`TTFTEstimate.lower_bound`): a long wait,
+        ranked as such.
 
         Args:
             prepared: From :meth:`prepare`.
@@ -203,6 +226,7 @@ class BEAEstimator:
             output_len: Its output length (capped by ``max_tokens``).
             max_tokens: Its output cap, if any.
             prefix_keys: Content keys of its full prompt blocks (see :meth:`estimate`).
+            horizon_s: Stop once the TTFT is known to exceed this (see :meth:`estimate`).
         """
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
@@ -213,5 +237,6 @@ class BEAEstimator:
             self._coeffs,
             -1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
+            horizon_s=_replay_horizon(horizon_s, prepared),
         )
         return t + (prepared.snapshot.inflight_remaining_s or 0.0)

@@ -41,6 +41,7 @@ class Replayer:
         coeffs: Sequence[float],
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = ...,
     ) -> float: ...
     def replay(
         self,
@@ -53,4 +54,5 @@ class Replayer:
         max_tokens: int = -1,
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = ...,
     ) -> ReplayResult: ...

@@ -36,6 +36,7 @@ class Replayer:
         coeffs: Sequence[float],
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = ...,
     ) -> float: ...
     def replay(
         self,
@@ -48,4 +49,5 @@ class Replayer:
         max_tokens: int = -1,
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = ...,
     ) -> ReplayResult: ...

@@ -11,6 +11,7 @@ compiled loop implements the same steps at C speed (aggregating plain decodes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -25,6 +26,7 @@ from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY,
     MAX_TOKENS,
     ReplayResult,
+    check_horizon,
     check_tokens,
 )
 
@@ -92,8 +94,13 @@ class Replayer:
         coeffs: Sequence[float],
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> float:
-        """Return only the predicted time to first token (``inf`` when never)."""
+        """Return only the predicted time to first token (``inf`` when never).
+
+        Past ``horizon_s``: the time replayed through the first batch past it
+        (a lower bound), as :meth:`replay` reports it.
+        """
         return self.replay(
             prepared,
             prompt_tokens,
@@ -101,6 +108,7 @@ class Replayer:
             coeffs,
             max_tokens=max_tokens,
             prefix_keys=prefix_keys,
+            horizon_s=horizon_s,
         ).ttft_s
 
     def replay(
@@ -114,6 +122,7 @@ class Replayer:
         max_tokens: int = -1,
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token.
 
@@ -134,6 +143,11 @@ class Replayer:
                 (:func:`~bearsdk.replay.blocks.chain_keys`, or the engine's as
                 ``kv.prefix_cache`` names them): with a prepared block pool, its
                 admission hits whatever of them is cached by then.
+            horizon_s: Stop at the first batch that ends past this time (seconds
+                from the snapshot) before the first token, with
+                :attr:`~bearsdk.replay.types.StopReason.HORIZON`: a decision that
+                only needs "within the target?" pays for the horizon, not for
+                the whole queue ahead.
 
         Returns:
             The first-token batch, the summed batch times, and optionally the
@@ -147,6 +161,7 @@ class Replayer:
         max_batches = check_tokens(max_batches, "max_batches", -MAX_TOKENS)
         work = MAX_REPLAY_WORK_PY if max_work is None else max_work
         work = check_tokens(work, "max_work", -MAX_TOKENS)
+        horizon = check_horizon(horizon_s)
         run = SchedulerCore.from_prepared(self._geo, prepared, record, coeffs)
         if run.pool is None:
             new = self._geo.make_req(
@@ -164,4 +179,4 @@ class Replayer:
             ]
             new = c
         run.waiting.append(new)
-        return run.go(new, max_batches, work)
+        return run.go(new, max_batches, work, horizon)

@@ -363,7 +363,9 @@ class SchedulerCore:
 
     # -- engine loop --------------------------------------------------------
 
-    def go(self, new: Req, max_batches: int, max_work: int) -> ReplayResult:
+    def go(
+        self, new: Req, max_batches: int, max_work: int, horizon: float = math.inf
+    ) -> ReplayResult:
         depth = self.geo.depth
         k = 0
         t = 0.0
@@ -378,6 +380,8 @@ class SchedulerCore:
                 t += dt
                 if new in batch.sampled:
                     return ReplayResult(k, t, StopReason.FIRST_TOKEN, self._batches())
+                if t > horizon:
+                    return ReplayResult(0, t, StopReason.HORIZON, self._batches())
             elif all(q.inert() for q in self.queue):
                 # Nothing scheduled and nothing in flight that could free a seat
                 # or a block: the new request can never be served.

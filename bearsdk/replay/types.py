@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -26,6 +27,7 @@ __all__ = [
     "ReplayResult",
     "ReplayerProtocol",
     "StopReason",
+    "check_horizon",
     "check_policy",
     "check_running",
     "check_table",
@@ -80,6 +82,20 @@ def check_tokens(value: object, name: str, minimum: int) -> int:
         raise ValueError(f"{name} must be >= {minimum} (got {short_repr(v)})")
     if v > MAX_TOKENS:
         raise ValueError(f"{name} must be <= 2**40 (got {short_repr(v)})")
+    return v
+
+
+def check_horizon(value: object) -> float:
+    """Return ``value`` as a replay horizon: a number of seconds > 0, ``inf`` for none.
+
+    Raises:
+        ValueError: It is not a real number, or not > 0 (NaN included).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"horizon_s must be a number of seconds (got {short_repr(value)})")
+    v = float(value)
+    if not v > 0.0:
+        raise ValueError(f"horizon_s must be > 0 (got {short_repr(value)})")
     return v
 
 
@@ -183,6 +199,11 @@ class StopReason(enum.StrEnum):
     """The replay gave up after ``max_batches`` batches or ``max_work`` units of
     work (:data:`MAX_REPLAY_WORK`): its ``ttft_s`` is then a lower bound (the
     time of the batches replayed), not an estimate."""
+    HORIZON = "horizon"
+    """The batches replayed before the first token already take longer than
+    ``horizon_s``: the replay stopped at the first batch past it, and ``ttft_s``
+    (the time through that batch, > ``horizon_s``) bounds the TTFT from below.
+    Both twins stop at the same batch."""
 
 
 @attrs.frozen
@@ -243,8 +264,8 @@ class ReplayResult:
 
     @property
     def lower_bound(self) -> bool:
-        """``ttft_s`` is only a lower bound (the replay stopped at a limit)."""
-        return self.stop_reason is StopReason.BATCH_LIMIT
+        """``ttft_s`` is only a lower bound (the replay stopped at a limit or its horizon)."""
+        return self.stop_reason in (StopReason.BATCH_LIMIT, StopReason.HORIZON)
 
 
 class ReplayerProtocol(Protocol):
@@ -275,8 +296,14 @@ class ReplayerProtocol(Protocol):
         coeffs: Sequence[float],
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> float:
-        """Predicted time to first token only (``inf`` when never)."""
+        """Predicted time to first token only (``inf`` when never).
+
+        Past ``horizon_s`` the replay stops and returns the time it reached
+        (a lower bound, > ``horizon_s``): what a caller that only asks
+        "within the horizon?" needs, at a cost bounded by the horizon.
+        """
         ...
 
     def replay(
@@ -290,6 +317,7 @@ class ReplayerProtocol(Protocol):
         max_tokens: int = -1,
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
+        horizon_s: float = math.inf,
     ) -> ReplayResult:
-        """Replay batch formation until the new request's first token."""
+        """Replay batch formation until the new request's first token (or ``horizon_s``)."""
         ...
