@@ -36,7 +36,7 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, imax, imin,
-    read_policy,
+    output_limit, output_target, read_policy,
 )
 
 cdef extern from "Python.h":
@@ -67,7 +67,6 @@ cdef extern from "math.h" nogil:
 cdef enum:
     LOG_W = 10
 
-cdef int64_t BIG = (<int64_t>1) << 60
 cdef int64_t NOKEY = INT64_MIN  # a block with nothing findable
 # (an enum, so that the compiler folds it: module variables are loads)
 cdef enum:
@@ -1356,13 +1355,11 @@ cdef class Replayer:
 
     cdef void _init_req(self, Rq* q, int64_t prompt, int64_t outputs, int64_t output_len,
                         int64_t max_tokens):
-        cdef int64_t lim = max_tokens if max_tokens > 0 else BIG
-        if self.P.mml > 0:
-            lim = imin(lim, self.P.mml - prompt)
+        cdef int64_t lim = output_limit(&self.P, prompt, max_tokens)
         q.prompt = prompt
         q.outputs = outputs
         q.limit = lim
-        q.target = imax(imin(output_len, lim), outputs + 1)
+        q.target = output_target(lim, outputs, output_len)
 
     # -- replay ---------------------------------------------------------------
 

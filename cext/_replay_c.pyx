@@ -30,7 +30,7 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
-    cdiv, imax, imin, read_policy,
+    cdiv, imax, imin, output_limit, output_target, read_policy,
 )
 
 import numpy as np
@@ -87,7 +87,6 @@ ctypedef fused Count:
     PaddedCount
 
 # "No limit" for a request's output count, and a step no batch ever had.
-cdef int64_t BIG = (<int64_t>1) << 60
 cdef int64_t NEVER_SCHEDULED = -((<int64_t>1) << 40)
 # Token counts are refused beyond bearsdk.replay.types.MAX_TOKENS at the Python
 # boundary (check_table, check_tokens): sums of a few of them stay far from
@@ -1730,13 +1729,11 @@ cdef class Replayer:
 
     cdef void _init_req(self, Req* q, int64_t prompt, int64_t outputs, int64_t output_len,
                         int64_t max_tokens):
-        cdef int64_t lim = max_tokens if max_tokens > 0 else BIG
-        if self.P.mml > 0:
-            lim = imin(lim, self.P.mml - prompt)
+        cdef int64_t lim = output_limit(&self.P, prompt, max_tokens)
         q.prompt = prompt
         q.outputs = outputs
         q.limit = lim
-        q.target = imax(imin(output_len, lim), outputs + 1)
+        q.target = output_target(lim, outputs, output_len)
         q.eos = q.target < lim
 
     cdef int64_t _reserve(self, Req* q, int alloc):

@@ -99,3 +99,18 @@ cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
 
 cdef inline int64_t imax(int64_t a, int64_t b) noexcept nogil:
     return a if a > b else b
+
+
+cdef inline int64_t output_limit(const Params* P, int64_t prompt, int64_t max_tokens) noexcept nogil:
+    # The request's output cap within max_model_len; far above any count when
+    # uncapped (the pure twin's PolicyGeometry.make_req resolves it the same way).
+    cdef int64_t lim = max_tokens if max_tokens > 0 else (<int64_t>1) << 60
+    if P.mml > 0:
+        lim = imin(lim, P.mml - prompt)
+    return lim
+
+
+cdef inline int64_t output_target(int64_t limit, int64_t outputs, int64_t output_len) noexcept nogil:
+    # Outputs it will have when it finishes: its (predicted) length within the
+    # cap, and at least one more than it already has.
+    return imax(imin(output_len, limit), outputs + 1)
