@@ -1256,6 +1256,11 @@ cdef int log_batch(State* st, Batch* b, double dt) except -1 nogil:
     return 0
 
 
+cdef inline double run_first_batch_s(State* st) noexcept nogil:
+    """Eq. 12 time of a closed-form run's first batch: the lazies alone at st.vt."""
+    return st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * (st.s_base + st.n_lazy * st.vt)
+
+
 cdef inline int64_t horizon_run_limit(State* st, int64_t m) noexcept nogil:
     """Cap a closed-form run so that it ends before the horizon, with a margin.
 
@@ -1271,7 +1276,7 @@ cdef inline int64_t horizon_run_limit(State* st, int64_t m) noexcept nogil:
     left = st.horizon - st.t
     if left <= 0.0:
         return 0
-    a = st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * (st.s_base + st.n_lazy * st.vt)
+    a = run_first_batch_s(st)
     g = st.b2 * st.n_lazy
     p = a - g / 2.0
     disc = p * p + 2.0 * g * left
@@ -1319,9 +1324,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
     # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
-    dt = m * (st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau)
-              + st.b2 * (st.s_base + st.n_lazy * st.vt)) \
-        + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
+    dt = m * run_first_batch_s(st) + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
     if st.record:
         for j in range(m):
             v = st.vt + j
