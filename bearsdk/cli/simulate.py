@@ -70,6 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="override router.resident_lengths (how BEA sizes residents' outputs)",
     )
+    p.add_argument(
+        "--speed",
+        choices=("learned", "profile"),
+        default=None,
+        help="override router.speed (learn each instance's speed from its snapshots, or not)",
+    )
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument(
         "--data-dir",
@@ -116,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, router_staleness=st)
     if args.resident_lengths is not None:
         cfg = attrs.evolve(cfg, resident_lengths=args.resident_lengths)
+    if args.speed is not None:
+        cfg = attrs.evolve(cfg, speed=args.speed)
     if args.data_dir:
         cfg = attrs.evolve(
             cfg, workload=attrs.evolve(cfg.workload, data_dir=str(Path(args.data_dir).resolve()))

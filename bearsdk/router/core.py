@@ -30,7 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import attrs
 
@@ -68,11 +68,20 @@ from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import bind_scheduler
 from bearsdk.schedulers.spec import BoundScheduler
 from bearsdk.selectors import BEAR, Option, Selector
-from bearsdk.state import InstanceState, ShadowView, SnapshotCache, StalenessRules
+from bearsdk.snapshot import Snapshot
+from bearsdk.state import CachedSnapshot, InstanceState, ShadowView, SnapshotCache, StalenessRules
+from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
 _MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
+
+DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0))
+"""The speed tracker's settings each instance copies by default (its base is the instance's)."""
+
+SPEED_MIN_INTERVAL_S: Final = 0.05
+"""Snapshots closer than this to the last speed anchor wait for a later one
+(bounds the evidence's cost per instance to 20 pairs per second)."""
 
 
 @attrs.define
@@ -99,6 +108,9 @@ class InstanceSlot:
     residuals: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
     # One per estimator name a selector asked for, built on first use.
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
+    # The instance's real speed against its base coefficients, from its snapshots.
+    speed: SpeedTracker | None = None
+    speed_anchor: Snapshot | None = None
 
     @property
     def name(self) -> str:
@@ -124,6 +136,10 @@ class RouterCore:
         resident_lengths: How BEA sizes the requests resident on an engine
             (see :class:`~bearsdk.router.AsyncRouter`).
         breaker: Circuit-breaker settings, copied for each instance.
+        speed: Learn each instance's real speed from its successive snapshots
+            and replay with its coefficients scaled by it (``None``: the
+            coefficients as configured). A :class:`~bearsdk.state.speed.SpeedTracker`
+            is copied for each instance (its ``base`` replaced by the instance's).
 
     Raises:
         ConfigError: An invalid pool, or a selector whose latency estimator is
@@ -142,6 +158,7 @@ class RouterCore:
         hooks: RouterHooks | None = None,
         resident_lengths: Literal["predicted", "calibrated"] = "predicted",
         breaker: CircuitBreaker | None = None,
+        speed: SpeedTracker | None = DEFAULT_SPEED,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         if not configs:
@@ -167,6 +184,7 @@ class RouterCore:
         self.clock = clock
         self.hooks = hooks if hooks is not None else RouterHooks()
         self._breaker = breaker if breaker is not None else CircuitBreaker()
+        self._speed = speed
         self._slots: dict[str, InstanceSlot] = {}
         self._lengths: dict[str, RememberedLengths] = {}
         self._models = list(self.predictor.models)
@@ -223,8 +241,54 @@ class RouterCore:
                 else None
             ),
         )
+        if self._speed is not None:
+            slot.speed = attrs.evolve(self._speed, base=bt)
+            cache.on_accept = functools.partial(self._snapshot_accepted, slot)
         self._slots[cfg.name] = slot
         return slot
+
+    def _snapshot_accepted(
+        self, slot: InstanceSlot, prev: CachedSnapshot | None, new: CachedSnapshot
+    ) -> None:
+        # Successive snapshots of a busy engine measure its speed with no traffic
+        # of ours needed: an instance the router stopped choosing stays calibrated.
+        speed = slot.speed
+        snap = new.snapshot
+        anchor = slot.speed_anchor
+        if speed is None:
+            return
+        if prev is None or anchor is None or anchor.epoch != snap.epoch:
+            slot.speed_anchor = snap
+            return
+        if snap.time - anchor.time < SPEED_MIN_INTERVAL_S:
+            return
+        slot.speed_anchor = snap
+        iv = interval_evidence(anchor, snap, speed.base, slot.scheduler.token_budget)
+        if iv is not None and speed.observe(iv, snap.time):
+            model = speed.model
+            est = slot.state.estimator
+            if model is not est.batch_time:
+                est.batch_time = model
+
+    def rebase(self, name: str, model: BatchTimeModel) -> None:
+        """Give ``name`` new base eq. 12 coefficients (e.g. an online fit of its batches).
+
+        The learned speed factor starts over against them.
+        """
+        slot = self.slot(name)
+        if slot.speed is None:
+            slot.state.estimator.batch_time = model
+            return
+        slot.speed.rebase(model)
+        slot.state.estimator.batch_time = slot.speed.model
+
+    def speed(self, name: str) -> SpeedEstimate | None:
+        """``name``'s learned speed against its base coefficients (``None``: not learned)."""
+        slot = self.slot(name)
+        if slot.speed is None:
+            return None
+        anchor = slot.speed_anchor
+        return slot.speed.estimate(None if anchor is None else anchor.time)
 
     def remove(self, name: str) -> InstanceSlot:
         """Take ``name`` out of the pool; returns what the router kept for it."""

@@ -117,6 +117,7 @@ class InstanceRuntime:
                 continue  # counted by the engine's format; never folded in
             if online.observe_batch(obs):
                 accepted += 1
-                if accepted % 32 == 0:
-                    # Swapping the model swaps the coefficients the replay uses.
-                    slot.state.estimator.batch_time = online.model
+                # The engine's own batch times beat snapshot evidence: they
+                # become the base, and the speed factor starts over on them.
+                if accepted % 32 == 0 and self.core.find(slot.name) is slot:
+                    self.core.rebase(slot.name, online.model)

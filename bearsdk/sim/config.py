@@ -13,6 +13,8 @@
                                     # (fitted to the simulated instance's batches first)
     predictor = "default"           # default | alpaca-eval | path/to/predictor.bearpred
     resident_lengths = "predicted"  # predicted | calibrated (quantiles of completed lengths)
+    speed = "learned"               # learned (each instance's speed, from its snapshots)
+                                    # | profile (the coefficients as they are)
 
     [[pool]]                        # one table per instance
     name = "qwen3-8b"
@@ -22,6 +24,8 @@
     scheduler = "vllm-v1"             # a registered name, or a spec file (relative: to here)
     params = {}                     # engine flags (default: vllm serve's on that hardware)
     ground_truth = {}               # GroundTruthParams overrides (noise_sigma, ...)
+    speed_changes = []              # [[time_s, multiplier], ...]: from time_s on, every
+                                    # batch takes multiplier x its ground-truth time
     snapshots = "push"              # a registered snapshot source with a simulated form
                                     # (push, poll, shm, redis deliver the engine's own)
 
@@ -66,7 +70,14 @@ from typing import Any, Final
 import attrs
 
 from bearsdk.errors import BearError
-from bearsdk.sim.run import ORACLE, ORACLE_LATENCY, InstanceSpec, PolicySpec, Scenario
+from bearsdk.sim.run import (
+    ORACLE,
+    ORACLE_LATENCY,
+    SPEED_MODES,
+    InstanceSpec,
+    PolicySpec,
+    Scenario,
+)
 from bearsdk.state import StalenessRules
 
 __all__ = [
@@ -173,6 +184,9 @@ class SimConfig:
         router_staleness: The router's staleness handling.
         batch_time: ``"profile"`` or ``"calibrated"`` (the router's eq. 12).
         resident_lengths: The router's ``resident_lengths``.
+        speed: ``"learned"`` (the router learns each instance's speed from its
+            snapshots) or ``"profile"`` (it replays with the coefficients as
+            they are).
         predictor: ``"default"``, ``"alpaca-eval"`` or a predictor file.
         pool: The instances.
         workload: The workload.
@@ -193,6 +207,7 @@ class SimConfig:
     policies: tuple[PolicySpec, ...]
     sweeps: tuple[SweepSpec, ...]
     source: str = ""
+    speed: str = "learned"
 
     def base_dir(self) -> Path:
         """Folder that relative paths in the configuration are relative to."""
@@ -221,6 +236,7 @@ class SimConfig:
                             sweep=sw.name,
                             router_staleness=self.router_staleness,
                             resident_lengths=self.resident_lengths,
+                            speed=self.speed,
                         )
                     )
         return out
@@ -308,6 +324,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
         "params",
         "ground_truth",
         "snapshots",
+        "speed_changes",
     )
     out: list[InstanceSpec] = []
     for i, d in enumerate(raw):
@@ -348,6 +365,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
             params=tuple(sorted(params.items())),
             ground_truth=tuple(sorted(gt.items())),
             snapshots=_snapshots(sec, _str(sec, d, "snapshots", "push")),
+            speed_changes=_speed_changes(sec, d.get("speed_changes", [])),
         )
         try:
             spec.time_params()
@@ -367,6 +385,24 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
         if any(s.name == name for s in out):
             raise SimConfigError(f"{sec}: duplicate instance name")
         out.append(spec)
+    return tuple(out)
+
+
+def _speed_changes(sec: str, raw: object) -> tuple[tuple[float, float], ...]:
+    key = f"{sec}.speed_changes"
+    if not isinstance(raw, list):
+        raise SimConfigError(f"{key} must be an array of [time_s, multiplier] (got {raw!r})")
+    out: list[tuple[float, float]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise SimConfigError(f"{key}: each change must be [time_s, multiplier] (got {item!r})")
+        t = _number(key, "time_s", item[0], 0.0)
+        m = _number(key, "multiplier", item[1], 0.0, strict=True)
+        if m > 100.0:
+            raise SimConfigError(f"{key}: multiplier must be <= 100 (got {m})")
+        if out and t <= out[-1][0]:
+            raise SimConfigError(f"{key}: times must increase (got {t} after {out[-1][0]})")
+        out.append((t, m))
     return tuple(out)
 
 
@@ -544,7 +580,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
     ):
         raise SimConfigError(f"simulation.seeds must be a list of integers >= 0 (got {seeds!r})")
     router = doc.get("router", {})
-    _check_keys("router", router, ("staleness", "batch_time", "predictor", "resident_lengths"))
+    _check_keys(
+        "router", router, ("staleness", "batch_time", "predictor", "resident_lengths", "speed")
+    )
     staleness = _staleness(router.get("staleness", "default"))
     batch_time = _str("router", router, "batch_time", "profile")
     if batch_time not in ("profile", "calibrated"):
@@ -556,6 +594,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         raise SimConfigError(
             f"router.resident_lengths must be 'predicted' or 'calibrated' (got {lengths!r})"
         )
+    speed = _str("router", router, "speed", "learned")
+    if speed not in SPEED_MODES:
+        raise SimConfigError(f"router.speed must be 'learned' or 'profile' (got {speed!r})")
     policies = _policies(doc.get("policies", {}))
     cfg = SimConfig(
         name=_str("simulation", sim, "name", Path(source).stem if source else "simulation"),
@@ -570,6 +611,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         policies=policies,
         sweeps=_sweeps(doc.get("sweep"), policies),
         source=source,
+        speed=speed,
     )
     return cfg
 

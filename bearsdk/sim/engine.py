@@ -28,6 +28,7 @@ requests' counters and block holdings exactly as the scheduler's steps would;
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -164,6 +165,9 @@ class SimEngine:
         on_event: Receives every :class:`EngineEvent` (per engine, in time order).
         decode_runs: Advance decode-only stretches in closed form.
         log_batches: Keep every batch's composition and duration (:meth:`batch_log`).
+        speed_changes: ``(time_s, multiplier)`` steps, times increasing: a batch
+            starting at or after ``time_s`` takes ``multiplier`` times its
+            ground-truth time (until the next step).
     """
 
     name: str
@@ -174,6 +178,7 @@ class SimEngine:
     on_event: Callable[[EngineEvent], None] = attrs.field(default=lambda e: None)
     decode_runs: bool = True
     log_batches: bool = False
+    speed_changes: tuple[tuple[float, float], ...] = ()
     _core: SchedulerCore = attrs.field(init=False)
     _depth: int = attrs.field(init=False)
     _t: float = attrs.field(init=False, default=0.0)  # start of the next step
@@ -278,6 +283,9 @@ class SimEngine:
                 while caps and caps[-1][0] < self._t:
                     self._captured[caps.pop()[1]] = snap
             horizon = min(until, caps[-1][0]) if caps else until
+            if self.speed_changes:
+                # A closed-form run never crosses a change of speed.
+                horizon = min(horizon, self._next_change(self._t))
             if not (self.decode_runs and self._decode_run(until, horizon)):
                 self._step()
         if caps and caps[-1][0] <= until:
@@ -289,9 +297,24 @@ class SimEngine:
         """Run until every request has finished."""
         self.advance(math.inf)
 
+    def speed_at(self, t: float) -> float:
+        """The speed multiplier of a batch starting at ``t`` (1 with no changes)."""
+        changes = self.speed_changes
+        if not changes or t < changes[0][0]:
+            return 1.0
+        return changes[bisect.bisect_right(changes, (t, math.inf)) - 1][1]
+
+    def _next_change(self, t: float) -> float:
+        for at, _ in self.speed_changes:
+            if at > t:
+                return at
+        return math.inf
+
     def _duration(self, b: ScheduledBatch) -> float:
         shape = BatchShape(b.pre, b.dec, b.dctx, b.patt, len(b.sched), len(b.sampled))
-        return self.time_model.expected(shape) * self.noise.at(self._batches)
+        return (
+            self.time_model.expected(shape) * self.noise.at(self._batches) * self.speed_at(self._t)
+        )
 
     def _finished(self, out: StepOutput, t: float) -> None:
         for rid in out.finished:
@@ -405,6 +428,8 @@ class SimEngine:
                 [tm.expected(BatchShape(0, n, ctx + n * i, 0, n, n)) for i in range(steps)]
             )
         dur = expected * self.noise.span(self._batches, steps)
+        if self.speed_changes:
+            dur *= self.speed_at(self._t)
         ends = self._t + np.cumsum(dur)
         # Step i starts when step i - 1 ends: it belongs to the run if it starts
         # before ``until`` and not after a pending capture.
@@ -541,6 +566,6 @@ class SimEngine:
                 rec.num_seqs,
                 rec.num_seqs,
             )
-            total += expected(shape) * self.noise.at(k)
+            total += expected(shape) * self.noise.at(k) * self.speed_at(now + total)
             k += 1
         return total

@@ -37,7 +37,7 @@ from bearsdk.emulator import GroundTruthParams
 from bearsdk.predictors import PoolPrediction
 from bearsdk.predictors.protocol import StagedPredictor
 from bearsdk.router import InstanceConfig
-from bearsdk.router.core import RouterCore
+from bearsdk.router.core import DEFAULT_SPEED, RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.schedulers import Policy
 from bearsdk.selectors import make_selector
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ORACLE",
     "ORACLE_LATENCY",
+    "SPEED_MODES",
     "InstanceSpec",
     "PolicySpec",
     "RequestSet",
@@ -61,6 +62,12 @@ __all__ = [
     "run_scenario",
     "staleness_label",
 ]
+
+TIMELINE_WINDOW_S: Final = 5.0
+"""Width of a :attr:`RunResult.timeline` window, seconds of arrivals."""
+
+SPEED_MODES: Final = ("learned", "profile")
+"""How the router prices an instance's batches: its speed learned, or the profile as is."""
 
 ORACLE: Final = "oracle"
 """Name of the oracle router (true TTFT and true utility)."""
@@ -87,6 +94,9 @@ class InstanceSpec:
         snapshots: The registered snapshot source kind whose simulated form
             delivers the engine's snapshots to the router
             (:class:`~bearsdk.router.sources.SimulatedSource`).
+        speed_changes: ``(time_s, multiplier)`` steps of the engine's speed: from
+            ``time_s`` on, every batch takes ``multiplier`` times its ground-truth
+            time (a GPU throttled mid-run, then recovered).
     """
 
     name: str
@@ -98,6 +108,7 @@ class InstanceSpec:
     params: tuple[tuple[str, Any], ...] = ()
     ground_truth: tuple[tuple[str, float], ...] = ()
     snapshots: str = "push"
+    speed_changes: tuple[tuple[float, float], ...] = ()
 
     def time_params(self) -> GroundTruthParams:
         """The ground-truth model's constants."""
@@ -209,6 +220,8 @@ class Scenario:
             overlay, fast-forward, LPS fallback after 2 s).
         resident_lengths: The router's ``resident_lengths`` (``"predicted"``
             or ``"calibrated"``).
+        speed: ``"learned"``: the router learns each instance's speed from its
+            snapshots; ``"profile"``: it keeps the coefficients as they are.
     """
 
     policy: PolicySpec
@@ -221,6 +234,7 @@ class Scenario:
     sweep: str = ""
     router_staleness: StalenessRules = attrs.field(factory=StalenessRules)
     resident_lengths: str = "predicted"
+    speed: str = "learned"
 
 
 @attrs.frozen
@@ -245,6 +259,11 @@ class RunResult:
             target)`` for up to 4000 requests (plots; not in JSON).
         diagnosis: With ``diagnose``: every candidate's prediction against its
             true forecast, per instance and estimator (see :class:`_Diagnosis`).
+        speed: The router's learned speed factor per instance at the end, with
+            its standard error and the steps it rests on (routed policies).
+        timeline: With speed changes in the pool: per window of
+            :data:`TIMELINE_WINDOW_S` of arrivals, its start, requests, on-time
+            share, and the router's learned factor per instance at its end.
     """
 
     scenario: Scenario
@@ -261,6 +280,8 @@ class RunResult:
     batches: int
     samples: tuple[tuple[int, float, float, float], ...] = ()
     diagnosis: dict[str, dict[str, float]] = attrs.field(factory=dict)
+    speed: dict[str, dict[str, float]] = attrs.field(factory=dict)
+    timeline: tuple[dict[str, Any], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (without samples)."""
@@ -276,6 +297,7 @@ class RunResult:
             "staleness_ms": round(s.staleness_s * 1000, 6),
             "router_staleness": staleness_label(s.router_staleness),
             "resident_lengths": s.resident_lengths,
+            "speed": s.speed,
             "seed": s.seed,
             "requests": self.n,
             "on_time_utility": self.on_time_utility,
@@ -289,6 +311,8 @@ class RunResult:
             "decide_us": self.decide_us,
             "wall_s": self.wall_s,
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
+            **({"speed": self.speed} if self.speed else {}),
+            **({"timeline": list(self.timeline)} if self.timeline else {}),
         }
 
 
@@ -443,7 +467,14 @@ def run_scenario(
         noise = BatchNoise(tm.params, scenario.seed * 1_000_003 + 7919 * (j + 1))
         engines.append(
             SimEngine(
-                spec.name, em.policy, em.max_model_len, tm, noise, sink(j), decode_runs=decode_runs
+                spec.name,
+                em.policy,
+                em.max_model_len,
+                tm,
+                noise,
+                sink(j),
+                decode_runs=decode_runs,
+                speed_changes=spec.speed_changes,
             )
         )
         router_params.append(_router_params(spec, em.policy))
@@ -457,6 +488,9 @@ def run_scenario(
     decide_s = 0.0
 
     oracle = scenario.policy.name in (ORACLE, ORACLE_LATENCY)
+    changes = any(spec.speed_changes for spec in instances)
+    trace: list[tuple[float, dict[str, float]]] | None = [] if changes and not oracle else None
+    trace_next = 0.0
     diag = _Diagnosis(names) if diagnose and not oracle else None
     router: RouterCore | None = None
     clock = [0.0]
@@ -473,6 +507,7 @@ def run_scenario(
             resident_lengths="calibrated"
             if scenario.resident_lengths == "calibrated"
             else "predicted",
+            speed=DEFAULT_SPEED if scenario.speed == "learned" else None,
         )
         delay = scenario.staleness_s
         for e in engines:
@@ -535,6 +570,9 @@ def run_scenario(
             )
             router.record_dispatch(d)
             decisions[i] = d
+            if trace is not None and a >= trace_next:
+                trace_next = a + 1.0
+                trace.append((a, _factors(router, names)))
             best = names.index(d.instance)
             predicted[i] = d.chosen.ttft_s
             estimator[i] = d.chosen.estimator
@@ -564,7 +602,65 @@ def run_scenario(
     )
     if diag is not None:
         result = attrs.evolve(result, diagnosis=diag.summary())
+    if router is not None:
+        result = attrs.evolve(result, speed=_learned_speed(router, names))
+    if changes:
+        result = attrs.evolve(
+            result, timeline=_timeline(times, first, requests.targets_s, trace or [])
+        )
     return result
+
+
+def _factors(router: RouterCore, names: Sequence[str]) -> dict[str, float]:
+    out = {}
+    for nm in names:
+        sp = router.speed(nm)
+        if sp is not None:
+            out[nm] = sp.factor
+    return out
+
+
+def _timeline(
+    times: npt.NDArray[np.float64],
+    first: npt.NDArray[np.float64],
+    targets: npt.NDArray[np.float64],
+    trace: Sequence[tuple[float, dict[str, float]]],
+) -> tuple[dict[str, Any], ...]:
+    met = (first - times) <= targets
+    w = TIMELINE_WINDOW_S
+    windows = np.floor(times / w).astype(np.int64)
+    out: list[dict[str, Any]] = []
+    k = 0
+    for win in range(int(windows.max()) + 1 if len(times) else 0):
+        sel = windows == win
+        end = (win + 1) * w
+        speed: dict[str, float] = {}
+        while k < len(trace) and trace[k][0] < end:
+            speed = trace[k][1]
+            k += 1
+        out.append(
+            {
+                "t": win * w,
+                "requests": int(sel.sum()),
+                "on_time": float(met[sel].mean()) if sel.any() else math.nan,
+                **({"speed": speed} if speed else {}),
+            }
+        )
+    return tuple(out)
+
+
+def _learned_speed(router: RouterCore, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for nm in names:
+        sp = router.speed(nm)
+        if sp is not None:
+            out[nm] = {
+                "factor": sp.factor,
+                "stderr": sp.stderr,
+                "steps": float(sp.steps),
+                "overhead_s": router.overhead(nm),
+            }
+    return out
 
 
 @attrs.define

@@ -184,6 +184,9 @@ class SnapshotCache:
             this many consecutive stale snapshots counting up (0: never).
         log_interval_s: At most one warning per rejection reason per interval;
             the others are logged at debug level.
+        on_accept: Called with the previous entry (``None`` at first or after a
+            restart) and the new one whenever a snapshot is accepted; what it
+            raises is logged, never propagated (it cannot cost a snapshot).
     """
 
     instance: str
@@ -193,6 +196,7 @@ class SnapshotCache:
     max_transit_s: float = attrs.field(default=1.0, validator=_non_negative)
     restart_after_stale: int = 8
     log_interval_s: float = attrs.field(default=10.0, validator=_non_negative)
+    on_accept: Callable[[CachedSnapshot | None, CachedSnapshot], None] | None = None
     _entry: CachedSnapshot | None = attrs.field(init=False, default=None)
     _accepted: int = attrs.field(init=False, default=0)
     _unchanged: int = attrs.field(init=False, default=0)
@@ -388,6 +392,11 @@ class SnapshotCache:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+        if self.on_accept is not None:
+            try:
+                self.on_accept(None if restarted else cur, self._entry)
+            except Exception:
+                log.warning("%s: on_accept raised", self.instance, exc_info=True)
         return Outcome.ACCEPTED
 
     def _prepare(self, est: BEAEstimator, snapshot: Snapshot) -> PreparedSnapshot:
