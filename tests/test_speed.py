@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -303,7 +304,8 @@ def test_a_failing_listener_costs_no_snapshot(caplog: pytest.LogCaptureFixture) 
 
     cache.on_accept = boom
     a = _snap([_decoding(100, 110, 10)], seq=1, time=1.0)
-    assert cache.offer(attrs.evolve(a, instance="a"))
+    with caplog.at_level(logging.WARNING, logger="bearsdk.state.cache"):
+        assert cache.offer(attrs.evolve(a, instance="a"))
     assert cache.entry is not None
     assert cache.entry.snapshot.seq == 1
     assert "on_accept raised" in caplog.text

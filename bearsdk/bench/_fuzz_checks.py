@@ -7,12 +7,13 @@ real router's cache and ``decide()``; a :class:`Tally` counts what it found.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -182,6 +183,23 @@ def _router() -> AsyncRouter:
     )
 
 
+@contextlib.contextmanager
+def quiet_cache_logs() -> Iterator[None]:
+    """Silence the caches' rejection warnings for the block, then restore the level.
+
+    Every fuzz payload is a rejection somewhere: the warnings would be the output.
+    Scoped, not set once, so that a process that fuzzes (a test session) keeps
+    its cache warnings afterwards.
+    """
+    logger = logging.getLogger("bearsdk.state.cache")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
 class Harness:
     """Both decoders, a cache per scheduler and replay twin, and a router: one payload at a time.
 
@@ -199,8 +217,6 @@ class Harness:
     def __init__(self, *, router: bool = True, twin_every: int = 1, decide_every: int = 1) -> None:
         self.twin_every = max(1, twin_every)
         self.decide_every = max(1, decide_every)
-        # Every payload is a rejection somewhere: the caches' warnings would be the output.
-        logging.getLogger("bearsdk.state.cache").setLevel(logging.ERROR)
         self.decoders = decoders()
         self.impls = sorted(implementations())
         self.schedulers = scheduler_names()

@@ -77,6 +77,7 @@ from bearsdk.bench._fuzz_checks import (
     Harness,
     Tally,
     good_snapshot,
+    quiet_cache_logs,
 )
 from bearsdk.bench._fuzz_payloads import T0, payload
 from bearsdk.state.cache import Outcome, SnapshotCache
@@ -92,8 +93,9 @@ __all__ = ["SOURCES", "T0", "Harness", "Tally", "payload", "register", "run"]
 def _work(seed: int, start: int, stop: int, twin_every: int, conn: Any) -> None:
     h = Harness(twin_every=twin_every, decide_every=10)
     tally = Tally()
-    for i in range(start, stop):
-        h.check(payload(seed, i), i, tally)
+    with quiet_cache_logs():
+        for i in range(start, stop):
+            h.check(payload(seed, i), i, tally)
     conn.send(tally)
     conn.close()
 
@@ -364,12 +366,13 @@ def run(
     h = Harness()
     per_source: dict[str, dict[str, Any]] = {}
     total = Tally()
-    if transport > 0 and sources:
-        per_source, total = anyio.run(_transports, h, seed, transport, list(sources), redis_url)
-    direct = max(0, payloads - total.payloads)
-    tally, crashes = _in_process(
-        seed, 0, direct, jobs, chunk, twin_every, progress or (lambda n: None)
-    )
+    with quiet_cache_logs():
+        if transport > 0 and sources:
+            per_source, total = anyio.run(_transports, h, seed, transport, list(sources), redis_url)
+        direct = max(0, payloads - total.payloads)
+        tally, crashes = _in_process(
+            seed, 0, direct, jobs, chunk, twin_every, progress or (lambda n: None)
+        )
     total.merge(tally)
     crashed = len(crashes) + sum(1 for s in per_source.values() if "crashed" in s)
     summed = total.summary()
