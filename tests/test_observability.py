@@ -53,6 +53,12 @@ async def test_metrics_and_logs_follow_requests(caplog: pytest.LogCaptureFixture
     assert value("ttft_seconds_count", instance=first) == 2
     assert value("decision_seconds_count") == 4
     assert value("ttft_abs_relative_error_count", instance=first) == 2
+    # Each instance's learned speed and overhead as of the last decision (a
+    # fresh router: near its profile).
+    for name in (first, other):
+        assert 0.05 <= value("speed_factor", instance=name) <= 20.0
+        assert value("ttft_overhead_seconds", instance=name) >= 0.0
+    assert registry.get_sample_value("bearsdk_speed_factor", {"instance": first}) is not None
 
     docs = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "bearsdk.decisions"]
     events = [d["event"] for d in docs]
@@ -62,6 +68,7 @@ async def test_metrics_and_logs_follow_requests(caplog: pytest.LogCaptureFixture
     assert events.count("complete") == 3
     decision = next(d for d in docs if d["event"] == "decision")
     assert {c["instance"] for c in decision["candidates"]} == {first, other}
+    assert all(c["speed_factor"] > 0 and c["overhead_s"] >= 0 for c in decision["candidates"])
     assert all(getattr(r, "bearsdk", None) for r in caplog.records if r.name == "bearsdk.decisions")
 
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from bearsdk.emulator.timing import GroundTruthTimeModel
 from bearsdk.estimators.batch_model import BatchTimeModel
 from bearsdk.estimators.profiles import load_profile
-from bearsdk.router import InstanceConfig
-from bearsdk.router.core import RouterCore
+from bearsdk.router import Decision, InstanceConfig
+from bearsdk.router.core import OVERHEAD_MAX_S, OVERHEAD_MEMORY_S, RouterCore
 from bearsdk.sim.engine import BatchNoise, SimEngine, bind_engine
 from bearsdk.snapshot import NCOLS, Snapshot
 from bearsdk.state.speed import SpeedInterval, SpeedTracker, interval_evidence
@@ -282,6 +282,7 @@ def test_the_router_replays_with_the_learned_speed(learn: bool) -> None:
     if not learn:
         assert sp is None
         assert est.batch_time is base
+        assert core.decide("hello there", ttft_target=1.0).chosen.speed_factor == 1.0
         return
     assert sp is not None
     assert sp.intervals > 50
@@ -289,6 +290,10 @@ def test_the_router_replays_with_the_learned_speed(learn: bool) -> None:
     # The replay uses the tracker's model (refreshed every few stretches).
     f0 = core.slot("a").speed.term_factors[0]
     assert est.batch_time.b0 == pytest.approx(base.b0 * f0, rel=0.02)
+    # Decisions show what priced them.
+    d = core.decide("hello there", ttft_target=1.0)
+    assert d.chosen.speed_factor == pytest.approx(sp.factor, rel=0.05)
+    assert f"speed x{d.chosen.speed_factor:.2f}" in d.explain()
     # New base coefficients (an online fit) restart the factor against them.
     core.rebase("a", base)
     assert core.speed("a").factor == 1.0
@@ -309,3 +314,44 @@ def test_a_failing_listener_costs_no_snapshot(caplog: pytest.LogCaptureFixture) 
     assert cache.entry is not None
     assert cache.entry.snapshot.seq == 1
     assert "on_accept raised" in caplog.text
+
+
+def test_the_overhead_is_bounded_by_the_fastest_first_token_and_fades() -> None:
+    cfg = InstanceConfig(name="a", url="http://a", model="Qwen/Qwen3-8B", profile=PROFILE)
+    clock = [10.0]
+    core = RouterCore([cfg], clock=lambda: clock[0])
+    seq = iter(range(1, 1000))
+
+    def decide() -> Decision:
+        # A fresh snapshot each time: the estimate is a replay, which the overhead joins.
+        snap = _snap([_decoding(100, 110, 10)], seq=next(seq), time=clock[0])
+        assert core.cache("a").offer(attrs.evolve(snap, instance="a"), received=clock[0])
+        d = core.decide("hello there", ttft_target=5.0)
+        assert d.chosen.estimator in ("bea", "overlay")
+        core.record_dispatch(d)
+        return d
+
+    # A slow first token alone would make the overhead its whole residual: held
+    # to the cap.
+    d = decide()
+    core.record_first_token(d, "a", 2.0)
+    assert core.overhead("a") == OVERHEAD_MAX_S
+    assert decide().chosen.overhead_s == OVERHEAD_MAX_S
+    for _ in range(3):
+        core.record_first_token(decide(), "a", 2.0)
+    # No fixed cost of every first token exceeds the fastest first token seen,
+    # though the median residual is still the slow ones'.
+    core.record_first_token(decide(), "a", 0.03)
+    assert core.overhead("a") == 0.03
+    learned = core.overhead("a")
+    # Unconfirmed, it fades: an instance the router stopped choosing is not
+    # locked out by what it learned once.
+    clock[0] += OVERHEAD_MEMORY_S
+    assert core.overhead("a") == pytest.approx(learned / math.e, rel=1e-9)
+    clock[0] += 10 * OVERHEAD_MEMORY_S
+    late = decide()
+    assert late.chosen.overhead_s < learned * 1e-4
+    # After that long, a new first token starts the residuals over (the old,
+    # larger ones do not come back through the median).
+    core.record_first_token(late, "a", late.chosen.ttft_s + 0.004)
+    assert core.overhead("a") == pytest.approx(0.004, abs=1e-6)

@@ -80,6 +80,17 @@ DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0))
 """The speed tracker's settings each instance copies by default (its base is the instance's)."""
 
 SPEED_MIN_INTERVAL_S: Final = 0.05
+
+OVERHEAD_MAX_S: Final = 0.25
+"""Largest first-token overhead the router learns (seconds)."""
+
+OVERHEAD_MEMORY_S: Final = 60.0
+"""Time constant over which an unobserved overhead fades to 0 (seconds).
+
+An overhead learned from a few unlucky first tokens makes every prediction for
+that instance miss, the router stops choosing it, and no first token would ever
+correct it (issue 17's lock-out): so what is not confirmed fades, and after this
+long without a first token the residuals start over."""
 """Snapshots closer than this to the last speed anchor wait for a later one
 (bounds the evidence's cost per instance to 20 pairs per second)."""
 
@@ -106,6 +117,10 @@ class InstanceSlot:
     # handling and token delivery. Learned from observed minus predicted TTFT.
     overhead_s: float = 0.0
     residuals: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
+    # The first tokens the residuals came from: no fixed overhead exceeds the
+    # fastest of them.
+    observed_ttfts: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
+    overhead_at: float = -math.inf
     # One per estimator name a selector asked for, built on first use.
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
     # The instance's real speed against its base coefficients, from its snapshots.
@@ -408,8 +423,10 @@ class RouterCore:
                 queue=o.queue,
                 prompt_tokens=ptok,
                 output_tokens=out,
+                speed_factor=speed,
+                overhead_s=overhead,
             )
-            for i, (o, est, age, ptok, out) in enumerate(cands)
+            for i, (o, est, age, ptok, out, speed, overhead) in enumerate(cands)
         )
         j = chosen.model_index
         d = Decision(
@@ -431,10 +448,10 @@ class RouterCore:
 
     def _candidates(
         self, slots: list[InstanceSlot], pred: PoolPrediction, max_tokens: int | None, now: float
-    ) -> list[tuple[Option, str, float, int, int]]:
+    ) -> list[tuple[Option, str, float, int, int, float, float]]:
         lam = self.selector.lam
         kind = self.selector.latency
-        out_rows: list[tuple[Option, str, float, int, int]] = []
+        out_rows: list[tuple[Option, str, float, int, int, float, float]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
         ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
@@ -450,11 +467,19 @@ class RouterCore:
             if est is None:
                 est = self._estimator(s, kind)
             lat = est.estimate(ptok, out, max_tokens, now)
-            ttft = lat.ttft_s + s.overhead_s if lat.replayed else lat.ttft_s
+            overhead = _overhead(s, now) if lat.replayed else 0.0
             option = Option(
-                s.name, s.config.model, acc, cost, acc - lam * cost, ttft, s.inflight, s.inflight
+                s.name,
+                s.config.model,
+                acc,
+                cost,
+                acc - lam * cost,
+                lat.ttft_s + overhead,
+                s.inflight,
+                s.inflight,
             )
-            out_rows.append((option, lat.estimator, lat.age_s, ptok, out))
+            speed = 1.0 if s.speed is None else s.speed.factor
+            out_rows.append((option, lat.estimator, lat.age_s, ptok, out, speed, overhead))
         return out_rows
 
     def _estimator(self, s: InstanceSlot, kind: str) -> InstanceEstimator:
@@ -521,11 +546,17 @@ class RouterCore:
                 s.ttft_rel_err_sum += abs(pred - observed) / observed
                 s.ttft_err_n += 1
                 if d.chosen.estimator != "lps":
+                    if now - s.overhead_at > OVERHEAD_MEMORY_S:
+                        s.residuals.clear()
+                        s.observed_ttfts.clear()
                     # The median of recent residuals: a mean would be dragged up by
                     # requests that reach the engine just after it formed the next
                     # batch (a whole batch late) and overpredict everything else.
-                    s.residuals.append(observed - (pred - s.overhead_s))
-                    s.overhead_s = min(max(statistics.median(s.residuals), 0.0), 0.25)
+                    s.residuals.append(observed - (pred - d.chosen.overhead_s))
+                    s.observed_ttfts.append(observed)
+                    bound = min(OVERHEAD_MAX_S, min(s.observed_ttfts))
+                    s.overhead_s = min(max(statistics.median(s.residuals), 0.0), bound)
+                    s.overhead_at = now
         for hook in self.hooks.on_first_token:
             hook(d, s.name, observed)
 
@@ -606,8 +637,13 @@ class RouterCore:
         return self.slot(name).breaker.state(self.clock())
 
     def overhead(self, name: str) -> float:
-        """The learned dispatch overhead added to ``name``'s replayed TTFTs (seconds)."""
-        return self.slot(name).overhead_s
+        """The learned dispatch overhead added to ``name``'s replayed TTFTs now (seconds).
+
+        The median of recent first-token residuals, never above the fastest of
+        those first tokens nor :data:`OVERHEAD_MAX_S`, fading over
+        :data:`OVERHEAD_MEMORY_S` while no first token confirms it.
+        """
+        return _overhead(self.slot(name), self.clock())
 
     def ttft_error(self, name: str) -> tuple[float, float, int]:
         """``(MAE seconds, MAPE, n)`` of the router's TTFT predictions at ``name`` so far."""
@@ -616,3 +652,11 @@ class RouterCore:
         if n == 0:
             return (math.nan, math.nan, 0)
         return (s.ttft_abs_err_sum / n, s.ttft_rel_err_sum / n, n)
+
+
+def _overhead(s: InstanceSlot, now: float) -> float:
+    o = s.overhead_s
+    if o <= 0.0:
+        return 0.0
+    idle = now - s.overhead_at
+    return o if idle <= 0.0 else o * math.exp(-idle / OVERHEAD_MEMORY_S)

@@ -32,6 +32,11 @@ class Candidate:
         queue: Requests the router counted as resident there.
         prompt_tokens: The prompt's tokens for this instance's model.
         output_tokens: Predicted output tokens there.
+        speed_factor: The instance's learned speed, which the replaying
+            estimators price its batches with: real batch time over the
+            profile's (``1.0``: the profile as is, or not learned; see
+            ``docs/calibration.md``).
+        overhead_s: The first-token overhead added to the replayed TTFT.
     """
 
     instance: str
@@ -47,6 +52,8 @@ class Candidate:
     queue: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    speed_factor: float = 1.0
+    overhead_s: float = 0.0
 
 
 @attrs.frozen
@@ -101,8 +108,12 @@ class Decision:
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.index else " "
             feas = "" if c.feasible is None else (" ok " if c.feasible else " miss")
+            # Only what moved the estimate off the plain replay of the profile.
+            extra = f" speed x{c.speed_factor:.2f}" if c.speed_factor != 1.0 else ""
+            if c.overhead_s > 0.0:
+                extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
             lines.append(
                 f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
-                f"u {c.utility:+.3f} ttft {c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]"
+                f"u {c.utility:+.3f} ttft {c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]{extra}"
             )
         return "\n".join(lines)

@@ -20,6 +20,10 @@ name                                        type       what
                                                        (the LPS fallback)
 ``snapshot_age_seconds``                    gauge      age of the snapshot behind the latest
                                                        decision, per instance
+``speed_factor``                            gauge      the instance's learned speed: real batch
+                                                       time over its profile's (1: as profiled)
+``ttft_overhead_seconds``                   gauge      first-token overhead added to its
+                                                       replayed TTFT
 ``ttft_seconds``                            histogram  observed time to first token
 ``ttft_error_seconds``                      histogram  observed minus predicted TTFT
 ``ttft_abs_relative_error``                 histogram  ``|observed - predicted| / observed``
@@ -90,6 +94,18 @@ class PrometheusMetrics:
             ["instance"],
             **kw,
         )
+        self.speed_factor = prom.Gauge(
+            "speed_factor",
+            "Learned batch time over the profile's, as of the latest decision",
+            ["instance"],
+            **kw,
+        )
+        self.ttft_overhead = prom.Gauge(
+            "ttft_overhead_seconds",
+            "First-token overhead added to the replayed TTFT, as of the latest decision",
+            ["instance"],
+            **kw,
+        )
         self.ttft = prom.Histogram(
             "ttft_seconds",
             "Observed time to first token",
@@ -135,6 +151,8 @@ class PrometheusMetrics:
         for cand in d.candidates:
             if math.isfinite(cand.snapshot_age_s):
                 self.snapshot_age.labels(cand.instance).set(cand.snapshot_age_s)
+            self.speed_factor.labels(cand.instance).set(cand.speed_factor)
+            self.ttft_overhead.labels(cand.instance).set(cand.overhead_s)
         if c.estimator == "lps":
             self.fallbacks.labels(d.instance).inc()
 
@@ -218,6 +236,8 @@ class DecisionLog:
                     "snapshot_age_s": (
                         None if not math.isfinite(c.snapshot_age_s) else round(c.snapshot_age_s, 4)
                     ),
+                    "speed_factor": round(c.speed_factor, 4),
+                    "overhead_s": round(c.overhead_s, 5),
                 }
                 for c in d.candidates
             ]

@@ -537,7 +537,11 @@ class AsyncRouter(Runs):
         return self.core.breaker_state(name)
 
     def overhead(self, name: str) -> float:
-        """The learned dispatch overhead added to ``name``'s replayed TTFTs (seconds)."""
+        """The learned dispatch overhead added to ``name``'s replayed TTFTs now (seconds).
+
+        See :meth:`RouterCore.overhead`: bounded by the fastest recent first
+        token, fading while unconfirmed.
+        """
         return self.core.overhead(name)
 
     def ttft_error(self, name: str) -> tuple[float, float, int]:
