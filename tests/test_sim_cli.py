@@ -98,6 +98,21 @@ def test_scenarios_expand_variants_and_axes(small: Path) -> None:
     assert cfg.pool[1].time_params().noise_sigma == 0.0
 
 
+POOL_8B = {"name": "a", "model": "Qwen/Qwen3-8B", "engine": "qwen3-8b-h100"}
+
+
+def test_drawn_time_scales_are_per_seed_and_instance_and_in_range() -> None:
+    cfg = load_config(EXAMPLES / "random-speeds.toml")
+    draws = {(s.name, seed): s.drawn_scale(seed) for s in cfg.pool for seed in range(1, 6)}
+    assert all(0.5 <= v <= 2.0 for v in draws.values())
+    assert len(set(draws.values())) == len(draws)  # every instance and seed its own
+    again = load_config(EXAMPLES / "random-speeds.toml")
+    assert {(s.name, k): s.drawn_scale(k) for s in again.pool for k in range(1, 6)} == draws
+    spec = cfg.pool[0]
+    assert spec.time_params(3).time_scale == pytest.approx(spec.drawn_scale(3))
+    assert spec.time_params().time_scale == 1.0
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -119,6 +134,23 @@ def test_scenarios_expand_variants_and_axes(small: Path) -> None:
         ({"router": {"batch_time": "fitted"}}, "router.batch_time must be"),
         ({"router": {"resident_lengths": "mean"}}, "router.resident_lengths must be"),
         ({"workload": {"lengths": "guess"}}, "workload.lengths must be one of"),
+        ({"router": {"speed": "fast"}}, "router.speed must be 'learned' or 'profile'"),
+        (
+            {"pool": [{**POOL_8B, "time_scale_range": [2.0, 0.5]}]},
+            r"pool\['a'\].time_scale_range must have low <= high",
+        ),
+        (
+            {"pool": [{**POOL_8B, "time_scale_range": [0, 1]}]},
+            r"pool\['a'\].time_scale_range.low must be > 0",
+        ),
+        (
+            {"pool": [{**POOL_8B, "speed_changes": [[10, 2.0], [5, 1.0]]}]},
+            r"pool\['a'\].speed_changes: times must increase",
+        ),
+        (
+            {"pool": [{**POOL_8B, "speed_changes": [[10, 0]]}]},
+            r"speed_changes.multiplier must be > 0",
+        ),
     ],
 )
 def test_config_errors_name_the_key(edit: dict[str, Any], message: str) -> None:

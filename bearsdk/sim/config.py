@@ -26,6 +26,8 @@
     ground_truth = {}               # GroundTruthParams overrides (noise_sigma, ...)
     speed_changes = []              # [[time_s, multiplier], ...]: from time_s on, every
                                     # batch takes multiplier x its ground-truth time
+    time_scale_range = [0.5, 2.0]   # optional: each seed draws this engine's time scale
+                                    # log-uniformly in it (the same for every policy)
     snapshots = "push"              # a registered snapshot source with a simulated form
                                     # (push, poll, shm, redis deliver the engine's own)
 
@@ -325,6 +327,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
         "ground_truth",
         "snapshots",
         "speed_changes",
+        "time_scale_range",
     )
     out: list[InstanceSpec] = []
     for i, d in enumerate(raw):
@@ -366,6 +369,7 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
             ground_truth=tuple(sorted(gt.items())),
             snapshots=_snapshots(sec, _str(sec, d, "snapshots", "push")),
             speed_changes=_speed_changes(sec, d.get("speed_changes", [])),
+            time_scale_range=_time_scale_range(sec, d.get("time_scale_range")),
         )
         try:
             spec.time_params()
@@ -386,6 +390,19 @@ def _pool(raw: object, base: Path) -> tuple[InstanceSpec, ...]:
             raise SimConfigError(f"{sec}: duplicate instance name")
         out.append(spec)
     return tuple(out)
+
+
+def _time_scale_range(sec: str, raw: object) -> tuple[float, float] | None:
+    key = f"{sec}.time_scale_range"
+    if raw is None:
+        return None
+    if not (isinstance(raw, list) and len(raw) == 2):
+        raise SimConfigError(f"{key} must be [low, high] (got {raw!r})")
+    lo = _number(key, "low", raw[0], 0.0, strict=True)
+    hi = _number(key, "high", raw[1], 0.0, strict=True)
+    if not lo <= hi <= 100.0:
+        raise SimConfigError(f"{key} must have low <= high <= 100 (got {raw!r})")
+    return (lo, hi)
 
 
 def _speed_changes(sec: str, raw: object) -> tuple[tuple[float, float], ...]:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -97,6 +98,9 @@ class InstanceSpec:
         speed_changes: ``(time_s, multiplier)`` steps of the engine's speed: from
             ``time_s`` on, every batch takes ``multiplier`` times its ground-truth
             time (a GPU throttled mid-run, then recovered).
+        time_scale_range: ``(low, high)``: each seed draws the engine's
+            ``time_scale`` log-uniformly in this range (times the ground
+            truth's own), the same draw for every policy of that seed.
     """
 
     name: str
@@ -109,11 +113,25 @@ class InstanceSpec:
     ground_truth: tuple[tuple[str, float], ...] = ()
     snapshots: str = "push"
     speed_changes: tuple[tuple[float, float], ...] = ()
+    time_scale_range: tuple[float, float] | None = None
 
-    def time_params(self) -> GroundTruthParams:
-        """The ground-truth model's constants."""
+    def time_params(self, seed: int | None = None) -> GroundTruthParams:
+        """The ground-truth model's constants (with ``seed``: its drawn time scale)."""
         overrides: dict[str, Any] = dict(self.ground_truth)
-        return attrs.evolve(GroundTruthParams(), **overrides)
+        params = attrs.evolve(GroundTruthParams(), **overrides)
+        if seed is not None and self.time_scale_range is not None:
+            params = attrs.evolve(params, time_scale=params.time_scale * self.drawn_scale(seed))
+        return params
+
+    def drawn_scale(self, seed: int) -> float:
+        """The time scale ``seed`` draws from :attr:`time_scale_range` (1 without one)."""
+        if self.time_scale_range is None:
+            return 1.0
+        lo, hi = self.time_scale_range
+        # Keyed by seed and name alone: the same instance gets the same draw in
+        # every policy's run, whatever the pool's order or the worker.
+        u = random.Random(f"time-scale:{seed}:{self.name}").random()
+        return lo * (hi / lo) ** u
 
 
 @attrs.frozen
@@ -260,7 +278,8 @@ class RunResult:
         diagnosis: With ``diagnose``: every candidate's prediction against its
             true forecast, per instance and estimator (see :class:`_Diagnosis`).
         speed: The router's learned speed factor per instance at the end, with
-            its standard error and the steps it rests on (routed policies).
+            its standard error, the steps it rests on, the first-token overhead,
+            and the engine's true ``time_scale`` (routed policies).
         timeline: With speed changes in the pool: per window of
             :data:`TIMELINE_WINDOW_S` of arrivals, its start, requests, on-time
             share, and the router's learned factor per instance at its end.
@@ -458,7 +477,7 @@ def run_scenario(
     for j, spec in enumerate(instances):
         em = bind_engine(spec.engine, spec.scheduler, dict(spec.params))
         tm = em.time_model
-        params = spec.time_params()
+        params = spec.time_params(scenario.seed)
         if params != tm.params:
             from bearsdk.emulator.timing import GroundTruthTimeModel
 
@@ -603,7 +622,8 @@ def run_scenario(
     if diag is not None:
         result = attrs.evolve(result, diagnosis=diag.summary())
     if router is not None:
-        result = attrs.evolve(result, speed=_learned_speed(router, names))
+        truth = {spec.name: spec.time_params(scenario.seed).time_scale for spec in instances}
+        result = attrs.evolve(result, speed=_learned_speed(router, names, truth))
     if changes:
         result = attrs.evolve(
             result, timeline=_timeline(times, first, requests.targets_s, trace or [])
@@ -649,12 +669,15 @@ def _timeline(
     return tuple(out)
 
 
-def _learned_speed(router: RouterCore, names: Sequence[str]) -> dict[str, dict[str, float]]:
+def _learned_speed(
+    router: RouterCore, names: Sequence[str], truth: Mapping[str, float]
+) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for nm in names:
         sp = router.speed(nm)
         if sp is not None:
             out[nm] = {
+                "time_scale": truth[nm],
                 "factor": sp.factor,
                 "stderr": sp.stderr,
                 "steps": float(sp.steps),
