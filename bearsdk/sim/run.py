@@ -131,7 +131,7 @@ class InstanceSpec:
         # Keyed by seed and name alone: the same instance gets the same draw in
         # every policy's run, whatever the pool's order or the worker.
         u = random.Random(f"time-scale:{seed}:{self.name}").random()
-        return lo * (hi / lo) ** u
+        return float(lo * (hi / lo) ** u)
 
 
 @attrs.frozen
