@@ -3,6 +3,7 @@
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import SNAPSHOT_MODES, ConfigError, InstanceConfig, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
+from bearsdk.router.explore import Exploration
 from bearsdk.router.observability import DecisionLog, PrometheusMetrics
 from bearsdk.router.router import (
     AsyncRouter,
@@ -29,6 +30,7 @@ __all__ = [
     "DecisionLog",
     "DispatchError",
     "EngineRequestError",
+    "Exploration",
     "FixedTarget",
     "InstanceConfig",
     "NoInstanceError",

@@ -62,6 +62,7 @@ from bearsdk.router.errors import (
     prompt_text,
     short,
 )
+from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.targets import PaperTargets, TargetRule
@@ -80,6 +81,9 @@ DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0))
 """The speed tracker's settings each instance copies by default (its base is the instance's)."""
 
 SPEED_MIN_INTERVAL_S: Final = 0.05
+
+DEFAULT_EXPLORATION: Final = Exploration()
+"""Exploration by default: 1% of decisions, instances without speed evidence for 30 s."""
 
 OVERHEAD_MAX_S: Final = 0.25
 """Largest first-token overhead the router learns (seconds)."""
@@ -155,6 +159,8 @@ class RouterCore:
             and replay with its coefficients scaled by it (``None``: the
             coefficients as configured). A :class:`~bearsdk.state.speed.SpeedTracker`
             is copied for each instance (its ``base`` replaced by the instance's).
+        explore: Bounded exploration of instances without recent speed
+            evidence (``None``: never; see :mod:`bearsdk.router.explore`).
 
     Raises:
         ConfigError: An invalid pool, or a selector whose latency estimator is
@@ -174,6 +180,7 @@ class RouterCore:
         resident_lengths: Literal["predicted", "calibrated"] = "predicted",
         breaker: CircuitBreaker | None = None,
         speed: SpeedTracker | None = DEFAULT_SPEED,
+        explore: Exploration | None = DEFAULT_EXPLORATION,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         if not configs:
@@ -198,6 +205,7 @@ class RouterCore:
         self.staleness = staleness if staleness is not None else StalenessRules()
         self.clock = clock
         self.hooks = hooks if hooks is not None else RouterHooks()
+        self._explorer = None if explore is None or speed is None else Explorer(explore)
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
         self._slots: dict[str, InstanceSlot] = {}
@@ -407,7 +415,18 @@ class RouterCore:
         sel_ = self.selector
         cands = self._candidates(slots, pred, max_tokens, now)
         sel = sel_.select([c[0] for c in cands], target)
-        chosen = slots[sel.index]
+        index, reason = sel.index, sel.reason
+        if self._explorer is not None and self._explorer.draw():
+            got = self._explorer.pick(
+                index,
+                [c[0].ttft_s if c[1] != "lps" else math.nan for c in cands],
+                [math.nan if s.speed is None else s.speed.last_evidence_at for s in slots],
+                target,
+                now,
+            )
+            if got is not None:
+                index, reason = got
+        chosen = slots[index]
         candidates = tuple(
             Candidate(
                 instance=o.instance,
@@ -434,13 +453,14 @@ class RouterCore:
             selector=sel_.name,
             instance=chosen.name,
             candidates=candidates,
-            index=sel.index,
+            index=index,
             ttft_target_s=target,
-            reason=sel.reason,
+            reason=reason,
             prompt_tokens=int(pred.prompt_tokens[j]),
             output_tokens=int(pred.output_tokens[j]),
             decided_at=now,
             decide_s=time.perf_counter() - t0,
+            explored=index != sel.index,
         )
         for hook in self.hooks.on_decision:
             hook(d)

@@ -72,6 +72,9 @@ class Decision:
         output_tokens: Predicted output tokens there.
         decided_at: Router clock (``time.monotonic``) at the decision.
         decide_s: Time the decision took.
+        explored: The router overrode the selector's choice to explore an
+            instance with no recent speed evidence (see
+            :mod:`bearsdk.router.explore`); ``reason`` says why.
     """
 
     request_id: str
@@ -85,6 +88,7 @@ class Decision:
     output_tokens: int
     decided_at: float
     decide_s: float
+    explored: bool = False
 
     @property
     def policy(self) -> str:

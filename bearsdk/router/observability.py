@@ -18,6 +18,8 @@ name                                        type       what
 ``decision_seconds``                        histogram  time one decision took
 ``fallbacks_total``                         counter    decisions made without a fresh snapshot
                                                        (the LPS fallback)
+``explorations_total``                      counter    decisions that explored an instance with
+                                                       no recent speed evidence
 ``snapshot_age_seconds``                    gauge      age of the snapshot behind the latest
                                                        decision, per instance
 ``speed_factor``                            gauge      the instance's learned speed: real batch
@@ -88,6 +90,12 @@ class PrometheusMetrics:
         self.fallbacks = prom.Counter(
             "fallbacks", "Decisions made without a fresh snapshot", ["instance"], **kw
         )
+        self.explorations = prom.Counter(
+            "explorations",
+            "Decisions that explored an instance with no recent speed evidence",
+            ["instance"],
+            **kw,
+        )
         self.snapshot_age = prom.Gauge(
             "snapshot_age_seconds",
             "Age of the snapshot behind the latest decision",
@@ -155,6 +163,8 @@ class PrometheusMetrics:
             self.ttft_overhead.labels(cand.instance).set(cand.overhead_s)
         if c.estimator == "lps":
             self.fallbacks.labels(d.instance).inc()
+        if d.explored:
+            self.explorations.labels(d.instance).inc()
 
     def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
         self.ttft.labels(instance).observe(observed)
@@ -220,6 +230,7 @@ class DecisionLog:
             "selector": d.selector,
             "instance": d.instance,
             "reason": d.reason,
+            "explored": d.explored,
             "ttft_target_s": d.ttft_target_s,
             "decide_us": round(d.decide_s * 1e6, 1),
         }

@@ -38,7 +38,7 @@ from bearsdk._lifecycle import Runs
 from bearsdk.predictors.protocol import PoolPredictor
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, load_pool_config
-from bearsdk.router.core import InstanceSlot, RouterCore
+from bearsdk.router.core import DEFAULT_EXPLORATION, DEFAULT_SPEED, InstanceSlot, RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.router.dispatch import Dispatcher
 from bearsdk.router.errors import (
@@ -48,6 +48,7 @@ from bearsdk.router.errors import (
     RequestError,
     short,
 )
+from bearsdk.router.explore import Exploration
 from bearsdk.router.hooks import RouterHooks
 from bearsdk.router.runtime import InstanceRuntime
 from bearsdk.router.sources import get_snapshot_source
@@ -55,6 +56,7 @@ from bearsdk.router.stream import ChatResponse, ChatStream
 from bearsdk.router.targets import TargetRule
 from bearsdk.selectors import Selector
 from bearsdk.state import InstanceState, SnapshotCache, StalenessRules
+from bearsdk.state.speed import SpeedTracker
 
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
@@ -112,6 +114,11 @@ class AsyncRouter(Runs):
         max_event_bytes: Largest SSE line or event of a streamed response
             (larger: the stream is closed with a :class:`DispatchError`).
         max_body_bytes: Largest whole (not streamed) response body.
+        speed: Learn each instance's speed from its snapshots (default
+            settings: :data:`~bearsdk.router.core.DEFAULT_SPEED`; ``None``:
+            replay the coefficients as they are). See ``docs/calibration.md``.
+        explore: Bounded exploration of instances with no recent speed
+            evidence (:class:`~bearsdk.router.Exploration`; ``None``: never).
     """
 
     def __init__(
@@ -133,6 +140,8 @@ class AsyncRouter(Runs):
         idle_timeout_s: float = 60.0,
         max_event_bytes: int = 1 << 20,
         max_body_bytes: int = 64 << 20,
+        speed: SpeedTracker | None = DEFAULT_SPEED,
+        explore: Exploration | None = DEFAULT_EXPLORATION,
         policy: Selector | None = _UNSET,
     ) -> None:
         if policy is not _UNSET:
@@ -173,6 +182,8 @@ class AsyncRouter(Runs):
             hooks=hooks,
             resident_lengths=resident_lengths,
             breaker=breaker,
+            speed=speed,
+            explore=explore,
         )
         self._dispatch = Dispatcher(
             self.core,

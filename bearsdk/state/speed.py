@@ -305,6 +305,11 @@ class SpeedTracker:
         return min(max(self._obs / self._pred, self.min_factor), self.max_factor)
 
     @property
+    def last_evidence_at(self) -> float:
+        """Engine-clock time of the latest stretch folded in (``-inf``: none yet)."""
+        return self._last if self._intervals else -math.inf
+
+    @property
     def stderr(self) -> float:
         """Standard error of :attr:`factor` (``inf`` before two stretches)."""
         if self._intervals < 2:
