@@ -89,6 +89,8 @@ pass a tracker with a lower ``min_factor`` for GPUs known to beat their
 profiles (docs/calibration.md)."""
 
 SPEED_MIN_INTERVAL_S: Final = 0.05
+"""Snapshots closer than this to the last speed anchor wait for a later one
+(bounds the evidence's cost per instance to 20 pairs per second)."""
 
 DEFAULT_EXPLORATION: Final = Exploration()
 """Exploration by default: 1% of decisions, instances without speed evidence for 30 s."""
@@ -103,8 +105,6 @@ An overhead learned from a few unlucky first tokens makes every prediction for
 that instance miss, the router stops choosing it, and no first token would ever
 correct it (issue 17's lock-out): so what is not confirmed fades, and after this
 long without a first token the residuals start over."""
-"""Snapshots closer than this to the last speed anchor wait for a later one
-(bounds the evidence's cost per instance to 20 pairs per second)."""
 
 
 @attrs.define

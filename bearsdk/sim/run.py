@@ -474,10 +474,12 @@ def run_scenario(
 
     engines: list[SimEngine] = []
     router_params: list[dict[str, Any]] = []
+    true_scales: dict[str, float] = {}
     for j, spec in enumerate(instances):
         em = bind_engine(spec.engine, spec.scheduler, dict(spec.params))
         tm = em.time_model
         params = spec.time_params(scenario.seed)
+        true_scales[spec.name] = params.time_scale
         if params != tm.params:
             from bearsdk.emulator.timing import GroundTruthTimeModel
 
@@ -622,8 +624,7 @@ def run_scenario(
     if diag is not None:
         result = attrs.evolve(result, diagnosis=diag.summary())
     if router is not None:
-        truth = {spec.name: spec.time_params(scenario.seed).time_scale for spec in instances}
-        result = attrs.evolve(result, speed=_learned_speed(router, names, truth))
+        result = attrs.evolve(result, speed=_learned_speed(router, names, true_scales))
     if changes:
         result = attrs.evolve(
             result, timeline=_timeline(times, first, requests.targets_s, trace or [])
