@@ -149,7 +149,15 @@ def test_a_horizon_bounds_the_estimate_with_the_batch_in_flight(impl: str) -> No
     assert cut.lower_bound
     assert cut.batches == full.batches[:3]
     assert h < cut.ttft_s < full.ttft_s
-    assert est.ttft(prep, 500, 50, horizon_s=h) == pytest.approx(cut.ttft_s)
+    # The hot path knows it sooner: the prefill queued ahead alone is past h.
+    lb = est.bound(prep, 500)
+    assert h < lb <= full.ttft_s
+    assert est.ttft(prep, 500, 50, horizon_s=h) == lb
+    # Where that bound is short of the horizon, the replay cuts as estimate() does.
+    h2 = (lb + full.ttft_s) / 2
+    cut2 = est.estimate(prep, 500, 50, horizon_s=h2)
+    assert h2 < cut2.ttft_s <= full.ttft_s
+    assert est.ttft(prep, 500, 50, horizon_s=h2) == pytest.approx(cut2.ttft_s)
     # The batch in flight alone reaches the horizon: one batch replayed.
     tiny = est.estimate(prep, 500, 50, explain=True, horizon_s=0.003)
     assert tiny.stop_reason is StopReason.HORIZON

@@ -312,6 +312,37 @@ def test_stale_snapshot_is_fast_forwarded() -> None:
     assert e.ttft_s == pytest.approx(want, rel=1e-6, abs=1e-8)
 
 
+def test_a_fast_forwarded_view_is_reused_exactly_while_its_batch_runs() -> None:
+    # The view is rebuilt once the batch in flight in it ends, not every
+    # refresh_s; in between, its estimates are those of a view built then.
+    core, t0 = running_engine(5)
+    clock = Clock(t0)
+    st = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.0)
+    snap = snapshot_from_dict(core.snapshot(instance="x", seq=1, time=t0, output_len=True))
+    st.cache.offer(snap, received=t0)
+    for _ in range(10):
+        clock.t += step(core)
+    clock.t += 1e-4
+    first = st.ttft(700, 10)
+    view = st._view
+    assert view is not None
+    inflight = view.snapshot.inflight_remaining_s
+    assert inflight is not None
+    assert inflight > 2e-4
+    t1 = clock.t
+    for frac in (0.3, 0.9):
+        clock.t = t1 + inflight * frac
+        got = st.ttft(700, 10)
+        assert st._view is view  # not rebuilt
+        again = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.0)
+        again.cache.offer(snap, received=t0)
+        assert got.ttft_s == pytest.approx(again.ttft(700, 10).ttft_s, rel=1e-9, abs=1e-12)
+        assert got.ttft_s == pytest.approx(first.ttft_s - inflight * frac, rel=1e-9)
+    clock.t = t1 + inflight * 1.5
+    st.ttft(700, 10)
+    assert st._view is not view  # the batch ended: rebuilt
+
+
 class StubFallback:
     def __init__(self) -> None:
         self.calls = 0

@@ -16,15 +16,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
 from bearsdk.replay.types import BatchRecord, StopReason, check_horizon
 from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
-from bearsdk.snapshot import Snapshot
+from bearsdk.snapshot import (
+    COL_COMPUTED,
+    COL_PROMPT,
+    COL_STATE,
+    STATE_RUNNING,
+    STATE_WAITING,
+    Snapshot,
+)
 
-__all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate"]
+__all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate", "prefill_ahead"]
 
 
 def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
@@ -85,11 +93,56 @@ class PreparedSnapshot:
         snapshot: The source snapshot.
         replayer: The compiled policy (KV geometry from the snapshot when it has one).
         state: Implementation-specific replay state.
+        ahead: The prefill work every new request waits behind, as eq. 12
+            counts it: ``(tokens, prefill attention)`` (see
+            :meth:`BEAEstimator.bound`; ``(0, 0)`` where the policy lets a new
+            request overtake).
     """
 
     snapshot: Snapshot
     replayer: Replayer
     state: Any
+    ahead: tuple[float, float] = (0.0, 0.0)
+
+
+def _overtaking_impossible(pol: Policy) -> bool:
+    """Whether a new request's first token comes after all the prefill queued ahead.
+
+    So under FCFS admission with head-of-line blocking (nothing admitted past
+    a blocked request), no per-request chunk cap (the cap leaves budget for
+    the requests behind, which may then finish first), and preempted requests
+    requeued in front (at the back, one preempted mid-prompt would redo its
+    prompt after the new request).
+    """
+    return (
+        pol.on_blocked == "stop"
+        and pol.chunk_cap == 0
+        and "waiting" in pol.stages
+        and (pol.victim == "none" or pol.requeue == "front")
+    )
+
+
+def prefill_ahead(pol: Policy, snapshot: Snapshot) -> tuple[float, float]:
+    """The prefill a new request waits behind, as :attr:`PreparedSnapshot.ahead`.
+
+    Every waiting prompt, and the rest of every running one whose stage comes
+    before admissions; ``(0, 0)`` where ``pol`` lets a new request overtake or
+    the snapshot caches prefixes.
+    """
+    if snapshot.prefix_cache is not None or not _overtaking_impossible(pol) or not len(snapshot):
+        # Cached blocks shorten prefills by what the snapshot cannot say yet.
+        return (0.0, 0.0)
+    t = snapshot.table
+    st = pol.stages
+    first = st.index("waiting")
+    take = t[:, COL_STATE] == STATE_WAITING
+    if any(x in ("running", "prefills") for x in st[:first]):
+        take = take | (t[:, COL_STATE] == STATE_RUNNING)
+    p = t[take, COL_PROMPT].astype(np.float64)
+    c = np.minimum(t[take, COL_COMPUTED], t[take, COL_PROMPT]).astype(np.float64)
+    # A chunked prompt's attention terms telescope: the chunks of one request
+    # from c computed tokens to p sum to p(p+1)/2 - c(c+1)/2 however it is cut.
+    return (float((p - c).sum()), float(((p * (p + 1) - c * (c + 1)) * 0.5).sum()))
 
 
 @attrs.define
@@ -143,7 +196,33 @@ class BEAEstimator:
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
         replayer = compile_scheduler(pol, self.implementation)
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-        return PreparedSnapshot(snapshot, replayer, state)
+        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(pol, snapshot))
+
+    def bound(self, prepared: PreparedSnapshot, prompt_tokens: int) -> float:
+        """A lower bound on :meth:`ttft` for a new request, in O(1).
+
+        The new request's first token needs its own prompt prefilled and, where
+        the policy lets nothing overtake, all the prefill queued ahead of it
+        (:attr:`PreparedSnapshot.ahead`); eq. 12's terms are all non-negative,
+        so those tokens alone cost at least ``b1`` each, their attention ``b3``
+        per unit, and they fill at least ``ceil(tokens / token budget)``
+        batches of ``b0``. Decodes, preemptions and the requests sent since
+        only add to it. It is what lets the router answer "later than the
+        horizon" without replaying a long queue (``docs/decision-cost.md``).
+        With prefix caching on the snapshot, a prompt's cached blocks are not
+        known here: the bound is then 0.
+        """
+        snap = prepared.snapshot
+        if snap.prefix_cache is not None:
+            return 0.0
+        b0, b1, _b2, b3 = self._coeffs[:4]
+        p = float(max(1, prompt_tokens))
+        tokens = prepared.ahead[0] + p
+        attention = prepared.ahead[1] + p * (p + 1.0) * 0.5
+        batches = math.ceil(tokens / prepared.replayer.policy.token_budget)
+        t = b0 * batches + b1 * tokens + b3 * attention
+        # Below the replay's own sums by more than their rounding.
+        return t * (1.0 - 1e-9) + (snap.inflight_remaining_s or 0.0)
 
     def estimate(
         self,
@@ -226,10 +305,18 @@ class BEAEstimator:
             output_len: Its output length (capped by ``max_tokens``).
             max_tokens: Its output cap, if any.
             prefix_keys: Content keys of its full prompt blocks (see :meth:`estimate`).
-            horizon_s: Stop once the TTFT is known to exceed this (see :meth:`estimate`).
+            horizon_s: Stop once the TTFT is known to exceed this (see
+                :meth:`estimate`); when :meth:`bound` already does, that bound
+                is the answer, with nothing replayed.
         """
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
+        h = _replay_horizon(horizon_s, prepared)
+        if horizon_s != math.inf and prefix_keys is None:
+            # Known late from the queue ahead alone: no replay at all.
+            lb = self.bound(prepared, prompt_tokens)
+            if lb > horizon_s:
+                return lb
         t = prepared.replayer.ttft(
             prepared.state,
             prompt_tokens,
@@ -237,6 +324,6 @@ class BEAEstimator:
             self._coeffs,
             -1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
-            horizon_s=_replay_horizon(horizon_s, prepared),
+            horizon_s=h,
         )
         return t + (prepared.snapshot.inflight_remaining_s or 0.0)

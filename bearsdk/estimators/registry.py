@@ -84,17 +84,27 @@ class Latency:
         age_s: Age of the snapshot behind it (``inf``: none).
         replayed: It replays the engine alone: the router adds the dispatch
             overhead it learns from observed first tokens.
+        lower_bound: ``ttft_s`` is past the horizon the router asked for and
+            only a lower bound (see :class:`InstanceEstimator`).
     """
 
     ttft_s: float
     estimator: str
     age_s: float = math.inf
     replayed: bool = False
+    lower_bound: bool = False
 
 
 @runtime_checkable
 class InstanceEstimator(Protocol):
-    """A per-instance estimator that reads the instance's state itself."""
+    """A per-instance estimator that reads the instance's state itself.
+
+    One whose ``estimate`` also takes a keyword ``horizon_s`` (and says so with
+    a class attribute ``horizon_aware = True``) is told, per request, the TTFT
+    past which the selector's choice no longer depends on the exact value: it
+    may stop there and return a lower bound past it, with
+    :attr:`Latency.lower_bound` set.
+    """
 
     def estimate(
         self, prompt_tokens: int, output_tokens: int, max_tokens: int | None, now: float
@@ -192,6 +202,7 @@ class _BEA:
     """BEA (eq. 9-12) on the instance's snapshot state; LPS once it is too old."""
 
     __slots__ = ("_after", "_cache", "_state", "_view")
+    horizon_aware = True
 
     def __init__(self, ctx: EstimatorContext) -> None:
         self._state = ctx.state
@@ -200,15 +211,22 @@ class _BEA:
         self._after = ctx.state.rules.fallback_after_s
 
     def estimate(
-        self, prompt_tokens: int, output_tokens: int, max_tokens: int | None, now: float
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        max_tokens: int | None,
+        now: float,
+        horizon_s: float = math.inf,
     ) -> Latency:
         # The router's statistics only matter to the fallback estimator:
         # summarise them only when the snapshot cannot be replayed.
         view = self._view(now) if self._cache.age(now) > self._after else None
-        e = self._state.ttft(prompt_tokens, output_tokens, max_tokens, now=now, view=view)
+        e = self._state.ttft(
+            prompt_tokens, output_tokens, max_tokens, now=now, view=view, horizon_s=horizon_s
+        )
         if e.mode == "fallback":
             return Latency(e.ttft_s, "lps", e.age_s)
-        return Latency(e.ttft_s, e.mode, e.age_s, replayed=True)
+        return Latency(e.ttft_s, e.mode, e.age_s, True, e.lower_bound)
 
 
 class _NoLatency:

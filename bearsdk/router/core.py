@@ -421,7 +421,8 @@ class RouterCore:
         prompt_tokens = int(pred.prompt_tokens[slots[0].model_index])
         target = self.targets.target_for(prompt_tokens) if ttft_target is None else ttft_target
         sel_ = self.selector
-        cands = self._candidates(slots, pred, max_tokens, now)
+        horizon = self._horizon(target)
+        cands = self._candidates(slots, pred, max_tokens, now, horizon)
         sel = sel_.select([c[0] for c in cands], target)
         index, reason = sel.index, sel.reason
         if self._explorer is not None and self._explorer.draw():
@@ -452,8 +453,9 @@ class RouterCore:
                 output_tokens=out,
                 speed_factor=speed,
                 overhead_s=overhead,
+                ttft_lower_bound=bound,
             )
-            for i, (o, est, age, ptok, out, speed, overhead) in enumerate(cands)
+            for i, (o, est, age, ptok, out, speed, overhead, bound) in enumerate(cands)
         )
         j = chosen.model_index
         d = Decision(
@@ -474,12 +476,26 @@ class RouterCore:
             hook(d)
         return d
 
+    def _horizon(self, target: float) -> float:
+        """The selector's horizon for ``target`` (``inf``: it needs exact estimates)."""
+        fn = getattr(self.selector, "horizon", None)
+        if fn is None:
+            return math.inf
+        h = float(fn(target))
+        # A selector's bad horizon must not cut estimates it needs: none below the target.
+        return h if h >= target else math.inf
+
     def _candidates(
-        self, slots: list[InstanceSlot], pred: PoolPrediction, max_tokens: int | None, now: float
-    ) -> list[tuple[Option, str, float, int, int, float, float]]:
+        self,
+        slots: list[InstanceSlot],
+        pred: PoolPrediction,
+        max_tokens: int | None,
+        now: float,
+        horizon: float = math.inf,
+    ) -> list[tuple[Option, str, float, int, int, float, float, bool]]:
         lam = self.selector.lam
         kind = self.selector.latency
-        out_rows: list[tuple[Option, str, float, int, int, float, float]] = []
+        out_rows: list[tuple[Option, str, float, int, int, float, float, bool]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
         ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
@@ -494,8 +510,13 @@ class RouterCore:
             est = s.estimators.get(kind)
             if est is None:
                 est = self._estimator(s, kind)
-            lat = est.estimate(ptok, out, max_tokens, now)
-            overhead = _overhead(s, now) if lat.replayed else 0.0
+            if horizon != math.inf and getattr(est, "horizon_aware", False):
+                ov = _overhead(s, now)
+                lat = est.estimate(ptok, out, max_tokens, now, horizon - ov)  # type: ignore[call-arg]
+                overhead = ov if lat.replayed else 0.0
+            else:
+                lat = est.estimate(ptok, out, max_tokens, now)
+                overhead = _overhead(s, now) if lat.replayed else 0.0
             option = Option(
                 s.name,
                 s.config.model,
@@ -507,7 +528,9 @@ class RouterCore:
                 s.inflight,
             )
             speed = 1.0 if s.speed is None else s.speed.factor
-            out_rows.append((option, lat.estimator, lat.age_s, ptok, out, speed, overhead))
+            out_rows.append(
+                (option, lat.estimator, lat.age_s, ptok, out, speed, overhead, lat.lower_bound)
+            )
         return out_rows
 
     def _estimator(self, s: InstanceSlot, kind: str) -> InstanceEstimator:
@@ -569,7 +592,8 @@ class RouterCore:
             s.shadow.on_tokens(d.request_id, 1)
         if s.name == d.instance:
             pred = d.chosen.ttft_s
-            if math.isfinite(pred) and observed > 0:
+            # A lower bound past the horizon says nothing about the model's error.
+            if math.isfinite(pred) and observed > 0 and not d.chosen.ttft_lower_bound:
                 s.ttft_abs_err_sum += abs(pred - observed)
                 s.ttft_rel_err_sum += abs(pred - observed) / observed
                 s.ttft_err_n += 1

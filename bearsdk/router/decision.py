@@ -26,8 +26,10 @@ class Candidate:
         estimator: Which estimator produced ``ttft_s``: ``bea`` (the snapshot
             replayed as it is), ``overlay`` (BEA with the requests sent since the
             snapshot added), ``fast-forward`` (BEA from the snapshot advanced to
-            now), ``lps`` (the queueing fallback: no fresh snapshot), a
-            baseline's estimator name, or ``none``.
+            now), ``bound`` (known to be past the selector's horizon from the
+            prefill queued ahead alone, nothing replayed), ``lps`` (the
+            queueing fallback: no fresh snapshot), a baseline's estimator
+            name, or ``none``.
         snapshot_age_s: Age of the snapshot behind the estimate (``inf``: none).
         queue: Requests the router counted as resident there.
         prompt_tokens: The prompt's tokens for this instance's model.
@@ -37,6 +39,9 @@ class Candidate:
             profile's (``1.0``: the profile as is, or not learned; see
             ``docs/calibration.md``).
         overhead_s: The first-token overhead added to the replayed TTFT.
+        ttft_lower_bound: ``ttft_s`` is past the selector's horizon and only a
+            lower bound: the replay stopped there, or never started
+            (``docs/decision-cost.md``).
     """
 
     instance: str
@@ -54,6 +59,7 @@ class Candidate:
     output_tokens: int = 0
     speed_factor: float = 1.0
     overhead_s: float = 0.0
+    ttft_lower_bound: bool = False
 
 
 @attrs.frozen
@@ -116,8 +122,9 @@ class Decision:
             extra = f" speed x{c.speed_factor:.2f}" if c.speed_factor != 1.0 else ""
             if c.overhead_s > 0.0:
                 extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
+            ge = ">=" if c.ttft_lower_bound else "  "
             lines.append(
                 f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
-                f"u {c.utility:+.3f} ttft {c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]{extra}"
+                f"u {c.utility:+.3f} ttft {ge}{c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]{extra}"
             )
         return "\n".join(lines)

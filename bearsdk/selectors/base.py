@@ -113,6 +113,12 @@ class Selector(Protocol):
         name: Name shown in decisions and metrics.
         latency: Which TTFT estimate it needs (one of :data:`LATENCY_KINDS`).
         lam: The cost weight of eq. 4's utility (``accuracy - lam * cost``).
+
+    A selector may also define ``horizon(ttft_target_s) -> float``: the TTFT
+    past which its choice no longer depends on the exact estimate (BEAR: a
+    multiple of the target). The router then lets estimators stop there: an
+    option's ``ttft_s`` beyond the horizon is a lower bound past it. Without
+    the method every estimate is exact.
     """
 
     @property

@@ -114,6 +114,18 @@ class TieBreaking:
         return _argmax(values, allowed, options, self.seed)
 
 
+def _horizon_factor(inst: object, att: attrs.Attribute[float], value: float) -> None:
+    if not (value >= 1.0):  # nan fails too; inf turns the cut-off off
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be a number >= 1 (inf: no cut-off) "
+            f"(got {value!r})"
+        )
+
+
+def _horizon(factor: float, target: float) -> float:
+    return factor * target if math.isfinite(target) else math.inf
+
+
 def _bear(options: Sequence[Option], target: float, salt: int | None) -> Selection:
     utility = [o.utility for o in options]
     feasible = [o.ttft_s <= target for o in options]
@@ -139,13 +151,26 @@ class BEAR(TieBreaking):
 
     When none is, the instance with the lowest predicted TTFT.
 
+    Only feasibility and, when nothing is feasible, the lowest TTFT matter, so
+    an estimate need not be exact past ``horizon_factor`` times the target: the
+    router lets the replay stop there (:meth:`horizon`), which bounds the cost
+    of a decision by the target rather than by the queue ahead
+    (``docs/decision-cost.md``).
+
     Args:
         lam: Cost weight of the utility (eq. 4); the paper uses 5e-4.
+        horizon_factor: Estimates are exact up to this multiple of the target
+            and lower bounds past it (``inf``: always exact).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
+    horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
     name: str = "bear"
     latency: str = "bea"
+
+    def horizon(self, ttft_target_s: float) -> float:
+        """How far past a request's target (seconds) its TTFT estimates must be exact."""
+        return _horizon(self.horizon_factor, ttft_target_s)
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
@@ -157,8 +182,13 @@ class PrefillTPS(TieBreaking):
     """BEAR's rule with the prefill-throughput estimator (eq. 8): the paper's ablation."""
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
+    horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
     name: str = "prefill-tps"
     latency: str = "prefill-tps"
+
+    def horizon(self, ttft_target_s: float) -> float:
+        """See :meth:`BEAR.horizon`."""
+        return _horizon(self.horizon_factor, ttft_target_s)
 
     def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""

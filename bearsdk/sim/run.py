@@ -595,7 +595,8 @@ def run_scenario(
                 trace_next = a + 1.0
                 trace.append((a, _factors(router, names)))
             best = names.index(d.instance)
-            predicted[i] = d.chosen.ttft_s
+            # A lower bound past the selector's horizon is no estimate: out of the MAPE.
+            predicted[i] = math.nan if d.chosen.ttft_lower_bound else d.chosen.ttft_s
             estimator[i] = d.chosen.estimator
         decide_s += time.perf_counter() - t0
         if diag is not None and router is not None:
@@ -692,7 +693,7 @@ class _Diagnosis:
     """Every candidate's predicted TTFT against its true forecast, per instance."""
 
     names: Sequence[str]
-    _rows: list[tuple[int, str, float, float, float]] = attrs.field(factory=list)
+    _rows: list[tuple[int, str, float, float, float, bool]] = attrs.field(factory=list)
 
     def observe(
         self,
@@ -707,28 +708,37 @@ class _Diagnosis:
         target = float(requests.targets_s[i])
         for j, (e, c) in enumerate(zip(engines, d.candidates, strict=True)):
             true = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
-            self._rows.append((j, c.estimator, c.ttft_s, true, target))
+            self._rows.append((j, c.estimator, c.ttft_s, true, target, c.ttft_lower_bound))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per instance (and per instance and estimator): ``n``, ``mape``, ``bias``
         (mean log of predicted over true; predictions floored at 1 us), and the
         shares predicted infeasible
-        though feasible (``false_miss``) and feasible though not (``false_hit``)."""
-        groups: dict[str, list[tuple[float, float, float]]] = {}
-        for j, est, p, t, tau in self._rows:
+        though feasible (``false_miss``) and feasible though not (``false_hit``).
+
+        Lower bounds past the selector's horizon (``bounds``: how many) count in
+        the shares, not in ``mape`` and ``bias``: they are no estimates.
+        """
+        groups: dict[str, list[tuple[float, float, float, bool]]] = {}
+        for j, est, p, t, tau, bound in self._rows:
             # A prediction of 0 (LPS without statistics) is kept: it is one.
             if not (math.isfinite(p) and math.isfinite(t) and t > 0 and p >= 0):
                 continue
             for key in (self.names[j], f"{self.names[j]}/{est}"):
-                groups.setdefault(key, []).append((p, t, tau))
+                groups.setdefault(key, []).append((p, t, tau, bound))
         out: dict[str, dict[str, float]] = {}
         for key, rows in sorted(groups.items()):
-            a = np.array(rows)
+            a = np.array(rows, dtype=np.float64)
             pred, true, target = a[:, 0], a[:, 1], a[:, 2]
+            exact = a[:, 3] == 0.0
+            rel = np.abs(pred - true) / true
             out[key] = {
                 "n": float(len(a)),
-                "mape": float(np.mean(np.abs(pred - true) / true)),
-                "bias": float(np.mean(np.log(np.maximum(pred, 1e-6) / true))),
+                "bounds": float(len(a) - int(exact.sum())),
+                "mape": float(np.mean(rel[exact])) if exact.any() else math.nan,
+                "bias": float(np.mean(np.log(np.maximum(pred[exact], 1e-6) / true[exact])))
+                if exact.any()
+                else math.nan,
                 "false_miss": float(np.mean((pred > target) & (true <= target))),
                 "false_hit": float(np.mean((pred <= target) & (true > target))),
             }

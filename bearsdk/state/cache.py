@@ -403,7 +403,7 @@ class SnapshotCache:
         # BEAEstimator.prepare, with the compiled replayer kept across snapshots
         # of the same KV geometry: re-binding and looking up the scheduler costs
         # as much as preparing the requests (tests pin the equivalence).
-        from bearsdk.estimators.bea import PreparedSnapshot
+        from bearsdk.estimators.bea import PreparedSnapshot, prefill_ahead
         from bearsdk.estimators.length import resolve_output_lengths
         from bearsdk.schedulers import compile_scheduler
 
@@ -427,7 +427,8 @@ class SnapshotCache:
         replayer = memo[3]
         table = resolve_output_lengths(snapshot.table, est.length_predictor, snapshot.ids)
         free = -1 if kv is None else kv.free_blocks
-        return PreparedSnapshot(snapshot, replayer, replayer.prepare(table, free, snapshot.ids))
+        state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
+        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(est.policy, snapshot))
 
     def reject(self, reason: Reject, detail: str, *, source: str = "") -> None:
         """Count and log a rejected snapshot (sources report transport-level ones here).

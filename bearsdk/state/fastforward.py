@@ -213,10 +213,15 @@ class FastForward:
         to = now - self.captured
         remaining = self._t - to if (not self._idle and self._t > to) else 0.0
         snap = self.snapshot
-        doc = self._core.snapshot(
-            instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
-        )
-        ids, table = _table(doc)
+        core = self._core
+        if core.pool is None:
+            ids, cols = core.rows()
+            table = np.array(cols, dtype=np.int64).reshape(len(cols), NCOLS)
+        else:
+            doc = core.snapshot(
+                instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
+            )
+            ids, table = _table(doc)
         if self._extended:
             # Kept running past its prediction: how much more is the predictor's
             # call again, given what it has produced by now.

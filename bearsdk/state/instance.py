@@ -41,7 +41,7 @@ __all__ = ["Estimate", "InstanceState", "StalenessPolicy", "StalenessRules"]
 
 log = logging.getLogger("bearsdk.state")
 
-MODES: Final = ("bea", "overlay", "fast-forward", "fallback", "none")
+MODES: Final = ("bea", "overlay", "fast-forward", "bound", "fallback", "none")
 
 
 def _optional_age(inst: object, att: attrs.Attribute[Any], value: float | None) -> None:
@@ -75,7 +75,8 @@ class StalenessRules:
         fallback_after_s: Use the fallback estimator for snapshots older than
             this (``inf``: never).
         refresh_s: A fast-forwarded view is reused for estimates within this
-            much time of each other.
+            much time of each other; and for as long as the batch in flight in
+            it runs, its age deducted from that batch, which is exact.
         overlay_grace_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
         overlay_expire_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
     """
@@ -107,12 +108,16 @@ class Estimate:
             ``"none"`` (no snapshot and no fallback: ``inf``).
         age_s: Age of the snapshot used (``inf`` when none).
         pending: This router's dispatches added to the snapshot's view.
+        lower_bound: ``ttft_s`` is past the horizon asked for and only a lower
+            bound (mode ``"bound"``: from the prefill queued ahead alone, with
+            nothing replayed; see :meth:`InstanceState.ttft`).
     """
 
     ttft_s: float
     mode: str
     age_s: float
     pending: int = 0
+    lower_bound: bool = False
 
 
 @attrs.define
@@ -273,6 +278,7 @@ class InstanceState:
         *,
         now: float | None = None,
         view: InstanceView | None = None,
+        horizon_s: float = math.inf,
     ) -> Estimate:
         """Predict the TTFT of a new request sent to this instance now.
 
@@ -282,6 +288,13 @@ class InstanceState:
             max_tokens: Its output cap.
             now: The time of the decision (default: the cache clock).
             view: What the router knows of the instance, for the fallback.
+            horizon_s: The caller only needs to know whether the TTFT exceeds
+                this: past it the estimate may be a lower bound
+                (:attr:`Estimate.lower_bound`), found from the prefill queued
+                ahead before any fast-forward or replay where that suffices
+                (:meth:`~bearsdk.estimators.bea.BEAEstimator.bound`), else by a
+                replay stopped there. The cost is then bounded by the horizon,
+                not by the queue (``docs/decision-cost.md``).
 
         Returns:
             The estimate and how it was made.
@@ -299,12 +312,22 @@ class InstanceState:
             v = view if view is not None else InstanceView(name=self.name, now=now)
             req = RequestInfo(prompt_tokens, output_len, max_tokens)
             return self._set(Estimate(self.fallback.estimate_ttft(req, v), "fallback", age), now)
+        est = self.estimator
+        if horizon_s != math.inf:
+            base = entry.prepared
+            if base is not None and base.snapshot.prefix_cache is None:
+                # The engine got through at most ``age`` seconds of that work since.
+                lb = est.bound(base, prompt_tokens) - min(age, 1e9)
+                if lb > horizon_s:
+                    return self._set(Estimate(lb, "bound", age, 0, True), now)
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
+        h = horizon_s + elapsed
         if output_len is None:
-            t = self.estimator.estimate(prep, prompt_tokens, None, max_tokens=max_tokens).ttft_s
+            t = est.estimate(prep, prompt_tokens, None, max_tokens=max_tokens, horizon_s=h).ttft_s
         else:
-            t = self.estimator.ttft(prep, prompt_tokens, output_len, max_tokens)
-        return self._set(Estimate(t - elapsed, mode, age, pending), now)
+            t = est.ttft(prep, prompt_tokens, output_len, max_tokens, horizon_s=h)
+        t -= elapsed
+        return self._set(Estimate(t, mode, age, pending, t > horizon_s), now)
 
     def _idle(self, entry: CachedSnapshot) -> bool:
         """The snapshot shows an idle engine and nothing was sent since: an idle
@@ -353,9 +376,9 @@ class InstanceState:
         if threshold is not None and (len(entry.snapshot) or pending):
             inflight = entry.snapshot.inflight_remaining_s or 0.0
             if age >= inflight and FastForward.worthwhile(age, threshold):
-                prep = self._forwarded(entry, now, pending)
-                if prep is not None:
-                    return prep, "fast-forward", self._view_pending, 0.0
+                got = self._forwarded(entry, now, pending)
+                if got is not None:
+                    return got[0], "fast-forward", self._view_pending, got[1]
             # While the batch in flight at capture runs, the replay's batches are
             # unchanged and start that much sooner: deduct the age, exactly.
             elapsed = min(age, inflight)
@@ -371,14 +394,18 @@ class InstanceState:
 
     def _forwarded(
         self, entry: CachedSnapshot, now: float, pending: list[Dispatch]
-    ) -> PreparedSnapshot | None:
+    ) -> tuple[PreparedSnapshot, float] | None:
+        """The view advanced to about ``now``, and the time to deduct from its estimates."""
         key = (entry.version, self._overlay.version, True)
-        if (
-            self._view is not None
-            and self._view_key == key
-            and 0.0 <= now - self._view_at <= self.rules.refresh_s
-        ):
-            return self._view
+        view = self._view
+        if view is not None and self._view_key == key:
+            dt = now - self._view_at
+            inflight = view.snapshot.inflight_remaining_s or 0.0
+            # Until the batch in flight in the view ends, the engine is where
+            # the view says, that much further into that batch: exact, so the
+            # view is rebuilt about once per engine step, not per refresh_s.
+            if 0.0 <= dt <= max(self.rules.refresh_s, inflight):
+                return view, min(dt, inflight)
         try:
             if self._ff is None or self._ff_version != entry.version:
                 self._ff = FastForward(entry.snapshot, self.estimator, entry.captured)
@@ -398,4 +425,4 @@ class InstanceState:
         self._view_key = key
         self._view_at = now
         self._view_pending = len(pending)
-        return self._view
+        return self._view, 0.0

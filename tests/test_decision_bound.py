@@ -1,0 +1,155 @@
+"""The O(1) lower bound BEA answers "later than the horizon" with (docs/decision-cost.md).
+
+For random snapshots under every built-in scheduler and random custom specs,
+on both replay twins: the bound never exceeds the replayed TTFT, and the hot
+path with a horizon returns the replayed value up to the horizon and a lower
+bound past it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_replay_property import PROBE_POOL, builtin_policy, custom_policy, workload
+
+from bearsdk.estimators import BatchTimeModel
+from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.replay import implementations
+from bearsdk.replay.types import StopReason
+from bearsdk.schedulers import BoundScheduler, compile_scheduler, scheduler_names
+from bearsdk.snapshot import Snapshot
+
+# A dominant prefill term, so that the bound is often close (and a slip shows).
+MODELS = (BatchTimeModel(0.003, 2e-5, 5e-8, 1e-10), BatchTimeModel(0.0, 1e-4, 0.0, 0.0))
+IMPLS = sorted(implementations())
+
+
+def _estimator(pol: BoundScheduler, w: dict[str, Any], model: BatchTimeModel, impl: str):
+    probe = compile_scheduler(pol.with_kv(pol.block_size, PROBE_POOL), "python")
+    held = PROBE_POOL - pol.reserved_blocks - probe.prepare(w["table"]).free_blocks
+    blocks = 0 if w["unlimited"] else held + pol.reserved_blocks + w["extra"] + 1
+    est = BEAEstimator(pol.with_kv(pol.block_size, blocks), model, implementation=impl)
+    ids = tuple(f"r{i}" for i in range(len(w["table"])))
+    return est, Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=ids, table=w["table"])
+
+
+def _check(pol: BoundScheduler, w: dict[str, Any], model: BatchTimeModel) -> None:
+    for impl in sorted(IMPLS):  # "cython" first: it sizes the case for the twin
+        est, snap = _estimator(pol, w, model, impl)
+        prep = est.prepare(snap)
+        res = est.estimate(prep, w["prompt"], w["out"])
+        # The Python twin takes seconds to reach the work bound: keep to cases it ends.
+        assume(res.stop_reason is not StopReason.BATCH_LIMIT and res.first_token_batch < 2000)
+        full = res.ttft_s
+        lb = est.bound(prep, w["prompt"])
+        assert 0.0 < lb <= full, (impl, lb, full)
+        if not math.isfinite(full):
+            continue
+        for h in (lb * 0.5, (lb + full) / 2, full * 0.999, full * 1.001):
+            got = est.ttft(prep, w["prompt"], w["out"], horizon_s=h)
+            if full <= h:
+                assert got == pytest.approx(full, rel=1e-12)
+            else:
+                assert h < got <= full * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("name", scheduler_names())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), m=st.sampled_from(MODELS))
+def test_the_bound_never_exceeds_the_replay_builtin(
+    name: str, data: Any, m: BatchTimeModel
+) -> None:
+    pol = data.draw(builtin_policy(name))
+    _check(pol, data.draw(workload(pol)), m)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), m=st.sampled_from(MODELS))
+def test_the_bound_never_exceeds_the_replay_custom(data: Any, m: BatchTimeModel) -> None:
+    pol = data.draw(custom_policy())
+    _check(pol, data.draw(workload(pol)), m)
+
+
+def test_the_bound_counts_the_queue_only_where_nothing_overtakes() -> None:
+    import numpy as np
+
+    from bearsdk.schedulers import bind_scheduler
+
+    table = np.array([[1, 3000, 0, 0, -1, 100, 0]] * 4, dtype=np.int64)
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=("a", "b", "c", "d"), table=table)
+    m = MODELS[1]
+    fcfs = BEAEstimator(bind_scheduler("vllm-v1"), m)
+    capped = BEAEstimator(bind_scheduler("vllm-v1", {"long_prefill_token_threshold": 64}), m)
+    assert fcfs.bound(fcfs.prepare(snap), 100) == pytest.approx(12100 * 1e-4, rel=1e-6)
+    # A chunk cap lets the new request finish first: only its own prefill counts.
+    assert capped.bound(capped.prepare(snap), 100) == pytest.approx(100 * 1e-4, rel=1e-6)
+
+
+def _deep_router(horizon_factor: float, clock: list[float]):
+    import numpy as np
+
+    from bearsdk.router import InstanceConfig
+    from bearsdk.router.core import RouterCore
+    from bearsdk.selectors import BEAR
+    from bearsdk.snapshot import NCOLS
+
+    cfgs = [
+        InstanceConfig(name=n, url=f"http://{n}", model="Qwen/Qwen3-8B", profile="qwen3-8b-h100")
+        for n in ("deep", "short", "deeper")
+    ]
+    core = RouterCore(
+        cfgs, BEAR(horizon_factor=horizon_factor), clock=lambda: clock[0], explore=None
+    )
+    for name, depth in (("deep", 100), ("short", 2), ("deeper", 250)):
+        rows = [(0, 500, 520, 20, -1, 200, 0)] * 8 + [(1, 2000, 0, 0, -1, 200, 0)] * depth
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+        ids = tuple(f"{name}{i}" for i in range(len(rows)))
+        core.cache(name).offer(Snapshot(name, 1, clock[0], None, ids, table), received=clock[0])
+    return core
+
+
+@pytest.mark.parametrize("stale_s", [0.0, 0.4])
+def test_the_router_cuts_estimates_past_the_horizon_and_chooses_the_same(stale_s: float) -> None:
+    clock = [100.0]
+    cut = _deep_router(4.0, clock)
+    exact = _deep_router(math.inf, clock)
+    clock[0] += stale_s
+    for target in (0.5, 2.0):
+        d, e = cut.decide("hi", ttft_target=target), exact.decide("hi", ttft_target=target)
+        assert d.instance == e.instance == "short"
+        by = {c.instance: c for c in d.candidates}
+        ex = {c.instance: c for c in e.candidates}
+        assert not by["short"].ttft_lower_bound
+        assert by["short"].ttft_s == pytest.approx(ex["short"].ttft_s)
+        for name in ("deep", "deeper"):
+            c, x = by[name], ex[name]
+            assert not x.ttft_lower_bound
+            if x.ttft_s <= 4 * target:  # within the horizon: exact
+                assert not c.ttft_lower_bound
+                assert c.ttft_s == pytest.approx(x.ttft_s)
+            else:
+                # A lower bound past it: from the queue ahead alone ("bound",
+                # nothing replayed), or where a replay stopped.
+                assert c.ttft_lower_bound
+                assert 4 * target < c.ttft_s <= x.ttft_s
+        assert by["deeper"].estimator == "bound"
+        if target == 0.5:
+            assert by["deep"].estimator == "bound"
+        assert ">=" in d.explain()
+        assert ">=" not in e.explain()
+
+
+def test_a_lower_bound_teaches_the_overhead_nothing() -> None:
+    clock = [100.0]
+    core = _deep_router(4.0, clock)
+    d = core.decide("hi", ttft_target=0.01, exclude=frozenset({"short"}))
+    assert d.chosen.ttft_lower_bound
+    s = core.slot(d.instance)
+    core.sent(s, d, clock[0])
+    core.first_token(s, d, 0.5)
+    assert core.ttft_error(d.instance)[2] == 0
+    assert core.overhead(d.instance) == 0.0
