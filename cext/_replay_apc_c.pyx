@@ -159,6 +159,7 @@ ctypedef struct St:
     int64_t wq_head
     int64_t wq_n
     int32_t new_slot
+    bint new_seen       # admission looked at the new request (see last_new_examined)
     # blocks (copied on first touch below nb0; named during the replay above)
     Blk* bl
     Blk* src_bl
@@ -823,6 +824,8 @@ cdef int64_t admit(St* st, Batch* b, int64_t budget, int64_t cap) except -2 nogi
         if st.n_run >= P.max_seqs:
             break
         s = wq_at(st, i)
+        if s == st.new_slot:
+            st.new_seen = True
         q = R(st, s)
         if q.inflight > 0:
             # Preempted with output still in flight: it cannot resume until
@@ -1472,6 +1475,7 @@ cdef class Replayer:
         st.n_tlog = 0
         # The new request joins the end of the waiting queue with its keys.
         st.new_slot = <int32_t>pr.n
+        st.new_seen = False
         st.rep[pr.n] = st.cur
         q = &st.r[pr.n]
         memset(q, 0, sizeof(Rq))
@@ -1538,6 +1542,11 @@ cdef class Replayer:
     def last_work(self):
         """Work units of the latest replay (the twin's units)."""
         return self.st.work
+
+    @property
+    def last_new_examined(self):
+        """Whether the latest replay's admissions looked at the new request."""
+        return self.st.new_seen
 
     @property
     def last_pool(self):

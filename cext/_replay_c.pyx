@@ -211,6 +211,7 @@ ctypedef struct State:
     int64_t* grant
     int32_t new_slot
     bint found
+    bint new_seen        # admission looked at the new request (see last_new_examined)
     Batch* unlazy_batch  # the batch in flight while one is formed (async), else NULL
     double b0
     double b1
@@ -868,6 +869,8 @@ cdef int64_t admit(State* st, Alloc* a, Pipe* p, Count* c, Batch* b,
         if st.n_running >= st.P.max_seqs:
             break
         s = wq_at(st, 0)
+        if s == st.new_slot:
+            st.new_seen = True
         q = R(st, s)
         if Pipe is AsyncPipe:
             if q.last_sched == st.step - 1:
@@ -1179,6 +1182,8 @@ cdef bint admission_stuck(State* st, Alloc* a, Count* c, int64_t budget) noexcep
         return True
     if not st.P.stop_on_blocked:
         return False
+    if wq_at(st, 0) == st.new_slot:
+        st.new_seen = True
     q = R(st, wq_at(st, 0))
     n = q.prompt + q.outputs
     if 0 < eff_cap(st) < n:
@@ -1852,6 +1857,7 @@ cdef class Replayer:
         st.slow_until_b0 = pr.exact_b0 and not (self.force_slow or pr.exact)
         st.b0_done = False
         st.found = False
+        st.new_seen = False
         st.record = record
         st.n_log = 0
         st.ring_head = 0
@@ -1940,6 +1946,16 @@ cdef class Replayer:
     def last_work(self):
         """Work units (:data:`~bearsdk.replay.types.MAX_REPLAY_WORK`) of the latest replay."""
         return self._apc.last_work if self._last_apc else self.st.work
+
+    @property
+    def last_new_examined(self):
+        """Whether the latest replay's admissions looked at the new request.
+
+        ``False`` for a replay that stopped before ever reaching it: every
+        request ahead of it was still waiting, so its batches, and a
+        horizon stop among them, are the same for any new request.
+        """
+        return self._apc.last_new_examined if self._last_apc else self.st.new_seen
 
     cdef list _records(self):
         cdef State* st = &self.st

@@ -35,6 +35,10 @@ from bearsdk.snapshot import (
 __all__ = ["BEAEstimator", "PreparedSnapshot", "TTFTEstimate", "prefill_ahead"]
 
 
+_HORIZON_STOPS = 8
+"""Horizon stops remembered per prepared state (a few targets' worth)."""
+
+
 def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
     """The coefficients the replay loops take: eq. 12, plus the dense floor when on."""
     return bt.extended_coeffs if bt.has_dense_floor else bt.coeffs
@@ -97,12 +101,19 @@ class PreparedSnapshot:
             counts it: ``(tokens, prefill attention)`` (see
             :meth:`BEAEstimator.bound`; ``(0, 0)`` where the policy lets a new
             request overtake).
+        horizon_stops: Horizon stops of earlier replays of this state that
+            hold for any new request (:meth:`BEAEstimator.ttft`).
     """
 
     snapshot: Snapshot
     replayer: Replayer
     state: Any
     ahead: tuple[float, float] = (0.0, 0.0)
+    # Horizon stops reached before admission ever looked at the new request:
+    # (replay horizon, time reached, coefficients), see BEAEstimator.ttft.
+    horizon_stops: list[tuple[float, float, tuple[float, ...]]] = attrs.field(
+        factory=list, init=False, repr=False
+    )
 
 
 def _overtaking_impossible(pol: Policy) -> bool:
@@ -312,18 +323,33 @@ class BEAEstimator:
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
         h = _replay_horizon(horizon_s, prepared)
-        if horizon_s != math.inf and prefix_keys is None:
-            # Known late from the queue ahead alone: no replay at all.
-            lb = self.bound(prepared, prompt_tokens)
-            if lb > horizon_s:
-                return lb
-        t = prepared.replayer.ttft(
+        inflight = prepared.snapshot.inflight_remaining_s or 0.0
+        coeffs = self._coeffs
+        if horizon_s != math.inf:
+            if prefix_keys is None:
+                # Known late from the queue ahead alone: no replay at all.
+                lb = self.bound(prepared, prompt_tokens)
+                if lb > horizon_s:
+                    return lb
+            for lo, reached, co in prepared.horizon_stops:
+                # The batches up to the stop did not depend on the new request,
+                # and the first batch ending past ``h`` is the one that ended
+                # past ``lo`` for every ``h`` in [lo, reached): the same answer.
+                if lo <= h < reached and co is coeffs:
+                    return reached + inflight
+        rep = prepared.replayer
+        t = rep.ttft(
             prepared.state,
             prompt_tokens,
             max(1, output_len),
-            self._coeffs,
+            coeffs,
             -1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
             horizon_s=h,
         )
-        return t + (prepared.snapshot.inflight_remaining_s or 0.0)
+        if h < t < math.inf and not rep.last_new_examined:
+            stops = prepared.horizon_stops
+            if len(stops) >= _HORIZON_STOPS:
+                del stops[0]
+            stops.append((h, t, coeffs))
+        return t + inflight

@@ -59,6 +59,16 @@ class Replayer:
     def __init__(self, policy: Policy) -> None:
         self._geo = PolicyGeometry(policy)
         self.policy = policy
+        self._new_seen = False
+
+    @property
+    def last_new_examined(self) -> bool:
+        """Whether the latest replay's admissions looked at the new request.
+
+        ``False`` when it stopped while some request ahead of the new one was
+        still waiting: its batches are then those of any new request.
+        """
+        return self._new_seen
 
     def prepare(
         self,
@@ -179,4 +189,7 @@ class Replayer:
             ]
             new = c
         run.waiting.append(new)
-        return run.go(new, max_batches, work, horizon)
+        try:
+            return run.go(new, max_batches, work, horizon)
+        finally:
+            self._new_seen = run.watched_seen

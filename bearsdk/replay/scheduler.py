@@ -159,6 +159,10 @@ class SchedulerCore:
         self.b0 = self.b1 = self.b2 = self.b3 = self.tau = 0.0
         self.batches: list[BatchRecord] = []
         self.queue: deque[ScheduledBatch] = deque()
+        # The replay's new request, and whether an admission has looked at it
+        # (before that, nothing it carries can have changed a batch).
+        self.watched: Req | None = None
+        self.watched_seen = False
 
     @classmethod
     def from_prepared(
@@ -197,6 +201,8 @@ class SchedulerCore:
         core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
         core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
         core.batches = []
+        core.watched = None
+        core.watched_seen = False
         # The batch in flight at the snapshot (async): its sampled tokens are the
         # placeholders; partial prefill chunks in it change nothing when processed.
         core.queue = deque()
@@ -394,6 +400,8 @@ class SchedulerCore:
         k = 0
         t = 0.0
         work = 0
+        self.watched = new
+        self.watched_seen = False
         while True:
             batch = self.schedule()
             # What this loop touches per batch: the running list and the batch.
@@ -578,6 +586,8 @@ class SchedulerCore:
             if len(self.running) >= p.max_seqs:
                 break
             r = self.waiting[0]
+            if r is self.watched:
+                self.watched_seen = True
             if r.inflight > 0:
                 # Preempted with output still in flight: it cannot resume until
                 # that output lands, but it does not block the queue.

@@ -274,6 +274,17 @@ class ReplayerProtocol(Protocol):
     implementation: str
     policy: Policy
 
+    @property
+    def last_new_examined(self) -> bool:
+        """Whether the latest replay's admissions looked at the new request.
+
+        ``False`` when the replay stopped while some request ahead of it was
+        still waiting, before admission ever reached it: its batches (and a
+        horizon stop among them) are then those of any new request, whatever
+        its size, output or prefix keys.
+        """
+        ...
+
     def prepare(
         self,
         table: npt.NDArray[np.int64],
