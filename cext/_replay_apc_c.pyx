@@ -35,8 +35,8 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, imax, imin,
-    output_limit, output_target, read_policy,
+    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, horizon_arg, imax,
+    imin, output_limit, output_target, read_policy, tokens_arg,
 )
 
 cdef extern from "Python.h":
@@ -1420,9 +1420,9 @@ cdef class Replayer:
         cdef int64_t i, prompt, out_len, cap_tokens, nk
         if pr.policy is not self.policy and pr.policy != self.policy:
             raise ValueError("prepared state belongs to another policy")
-        prompt = check_tokens(prompt_tokens, "prompt_tokens", 1)
-        out_len = check_tokens(output_len, "output_len", MIN_ANY)
-        cap_tokens = check_tokens(max_tokens, "max_tokens", MIN_ANY)
+        prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
+        out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
+        cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
         cdef list keys = _key_list(prefix_keys)
         nk = imin(len(keys), prompt // self.P.bs)
         self._ensure(pr)
@@ -1503,7 +1503,7 @@ cdef class Replayer:
     def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1,
              prefix_keys=None, horizon_s=INFINITY):
         """Return only the predicted time to first token (``inf`` when never)."""
-        cdef double horizon = INFINITY if horizon_s == INFINITY else check_horizon(horizon_s)
+        cdef double horizon = horizon_arg(horizon_s, check_horizon)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, prefix_keys)
         self.st.horizon = horizon
         cdef int rc

@@ -30,7 +30,7 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
-    cdiv, imax, imin, output_limit, output_target, read_policy,
+    cdiv, horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg,
 )
 
 import numpy as np
@@ -1804,9 +1804,9 @@ cdef class Replayer:
         cdef int64_t prompt, out_len, cap_tokens
         if pr.code != self.code or pr.bs != self.P.bs:
             raise ValueError("prepared state belongs to another policy")
-        prompt = check_tokens(prompt_tokens, "prompt_tokens", 1)
-        out_len = check_tokens(output_len, "output_len", MIN_ANY)
-        cap_tokens = check_tokens(max_tokens, "max_tokens", MIN_ANY)
+        prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
+        out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
+        cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
         self._ensure(pr.n + 1)
         if len(coeffs) == 5:
             b0_, b1_, b2_, b3_, tau_ = coeffs
@@ -1892,7 +1892,7 @@ cdef class Replayer:
         if self._last_apc:
             return self._apc_of(prepared).ttft(
                 prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys, horizon_s)
-        cdef double horizon = INFINITY if horizon_s == INFINITY else check_horizon(horizon_s)
+        cdef double horizon = horizon_arg(horizon_s, check_horizon)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
         self.st.horizon = horizon
         cdef int rc

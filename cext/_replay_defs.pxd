@@ -4,6 +4,7 @@
 # _replay_apc_c.pyx forms batches block by block (prefix caching); both read
 # the policy the same way.
 
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t
 from libc.string cimport memset
 
@@ -114,3 +115,30 @@ cdef inline int64_t output_target(int64_t limit, int64_t outputs, int64_t output
     # Outputs it will have when it finishes: its (predicted) length within the
     # cap, and at least one more than it already has.
     return imax(imin(output_len, limit), outputs + 1)
+
+
+cdef enum:
+    MAX_TOKENS_LOG2 = 40   # bearsdk.replay.types.MAX_TOKENS == 1 << 40
+
+
+cdef inline int64_t tokens_arg(object v, object name, int64_t minimum,
+                               object check) except? -0x7fffffffffffffff:
+    """``check(v, name, minimum)`` (types.check_tokens) without calling it for an
+    int already in range: the hot path validates three counts per estimate."""
+    cdef int overflow = 0
+    cdef long long x
+    if type(v) is int:
+        x = PyLong_AsLongLongAndOverflow(v, &overflow)
+        if overflow == 0 and minimum <= x <= ((<int64_t>1) << MAX_TOKENS_LOG2):
+            return x
+    return check(v, name, minimum)
+
+
+cdef inline double horizon_arg(object v, object check) except? -1.0:
+    """``check(v)`` (types.check_horizon) without calling it for a float > 0."""
+    cdef double h
+    if type(v) is float:
+        h = v
+        if h > 0.0:  # NaN is not
+            return h
+    return check(v)

@@ -426,7 +426,9 @@ def test_cache_survives_a_decoder_or_replay_bug(monkeypatch: pytest.MonkeyPatch)
     def overflow(*args: object) -> Any:
         raise OverflowError("Python int too large to convert to C long")
 
-    monkeypatch.setattr(SnapshotCache, "_prepare", overflow)
+    from bearsdk.estimators.bea import BEAEstimator
+
+    monkeypatch.setattr(BEAEstimator, "prepare", overflow)
     assert c.offer_bytes(orjson.dumps(base(seq=3))) is Outcome.REJECTED
     assert c.entry is good
     assert c.stats().rejected == {str(Reject.MALFORMED): 1, str(Reject.UNREPLAYABLE): 1}

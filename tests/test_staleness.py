@@ -502,3 +502,21 @@ def test_state_tracks_dispatches_until_they_complete() -> None:
     st.on_complete("bear-ab-0000000001", now=clock.t + 1, output_tokens=70)
     assert not st.tracks("bear-ab-0000000001")
     assert len(lengths) == 0
+
+
+def test_fast_forward_times_batches_with_the_replays_dense_floor() -> None:
+    """A model with the dense floor prices a one-token batch at b1 * tau, in the
+    fast-forward as in the replay it feeds (not at eq. 12's b1 * 1)."""
+    floor = BatchTimeModel(4e-3, 2.2e-5, 5e-8, 1.2e-10, dense_floor_tokens=64.0)
+    est = BEAEstimator.for_scheduler("vllm-v1", floor, PARAMS)
+    snap = _one_decoding("chatcmpl-x")
+    ff = FastForward(snap, est, captured=0.0)
+    ff.advance(1e-9, [])  # schedules the first batch: the one decode token
+    want = floor.b0 + floor.b1 * 64.0 + floor.b2 * 100
+    assert ff.elapsed(1.0) == pytest.approx(want, rel=1e-12)
+    # The replay of the same snapshot charges its first batch alike.
+    rec = est.estimate(snap, 1, 1, explain=True).batches
+    assert rec is not None
+    assert rec[0].duration_s == pytest.approx(
+        floor.b0 + floor.b1 * 64.0 + floor.b2 * rec[0].decode_context + floor.b3 * 1, rel=1e-12
+    )

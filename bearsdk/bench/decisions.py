@@ -3,7 +3,8 @@
 One :meth:`RouterCore.decide` call (predictors, one BEA estimate per instance,
 BEAR) timed decision by decision, for pools of 3 to 256 instances whose
 snapshots are 400 ms stale (so every estimate fast-forwards) and hold 56
-running requests plus 0 to 1,000 waiting ones each, with a 500 ms TTFT
+decoding requests (each with its next token in flight, as async vLLM reports
+them) plus 0 to 1,000 waiting ones each, with a 500 ms TTFT
 target. The router's clock advances 100 µs per decision (10,000 decisions a
 second) and the instances' snapshots were captured up to 50 ms apart, as a
 polled pool's are, so that fast-forwarded views are rebuilt at their own
@@ -51,7 +52,9 @@ def _snapshot(name: str, rng: random.Random, at: float, depth: int) -> Snapshot:
     rows = []
     for _ in range(RUNNING):
         p, o = rng.randint(200, 3000), rng.randint(1, 300)
-        rows.append((0, p, p + o, o, -1, -1, 0))
+        # Decoding under async scheduling: the next token is in flight (as
+        # vLLM reports it, and as `bench router` builds its snapshots).
+        rows.append((0, p, p + o, o, -1, -1, 1))
     for _ in range(depth):
         rows.append((1, rng.randint(300, 3000), 0, 0, -1, -1, 0))
     table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)

@@ -27,7 +27,6 @@ from bearsdk.snapshot import (
     COL_COMPUTED,
     COL_PROMPT,
     COL_STATE,
-    STATE_RUNNING,
     STATE_WAITING,
     Snapshot,
 )
@@ -53,7 +52,8 @@ def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot) -> float:
     if horizon_s == math.inf:
         return horizon_s
     inflight = prepared.snapshot.inflight_remaining_s or 0.0
-    h = check_horizon(horizon_s)
+    # A float > 0 needs no further check (NaN is not > 0): the hot path's case.
+    h = horizon_s if type(horizon_s) is float and horizon_s > 0.0 else check_horizon(horizon_s)
     return max(h - inflight, sys.float_info.min)
 
 
@@ -146,14 +146,15 @@ def prefill_ahead(pol: Policy, snapshot: Snapshot) -> tuple[float, float]:
     t = snapshot.table
     st = pol.stages
     first = st.index("waiting")
-    take = t[:, COL_STATE] == STATE_WAITING
-    if any(x in ("running", "prefills") for x in st[:first]):
-        take = take | (t[:, COL_STATE] == STATE_RUNNING)
-    p = t[take, COL_PROMPT].astype(np.float64)
-    c = np.minimum(t[take, COL_COMPUTED], t[take, COL_PROMPT]).astype(np.float64)
+    if not any(x in ("running", "prefills") for x in st[:first]):
+        t = t[t[:, COL_STATE] == STATE_WAITING]
+    # Else every row counts: running and waiting are the only states (a
+    # decoding request, its prompt computed, adds nothing).
+    p = t[:, COL_PROMPT].astype(np.float64)
+    c = np.minimum(t[:, COL_COMPUTED], t[:, COL_PROMPT]).astype(np.float64)
     # A chunked prompt's attention terms telescope: the chunks of one request
     # from c computed tokens to p sum to p(p+1)/2 - c(c+1)/2 however it is cut.
-    return (float((p - c).sum()), float(((p * (p + 1) - c * (c + 1)) * 0.5).sum()))
+    return (float(p.sum() - c.sum()), float((p @ (p + 1.0) - c @ (c + 1.0)) * 0.5))
 
 
 @attrs.define
@@ -173,6 +174,12 @@ class BEAEstimator:
     length_predictor: LengthPredictor = attrs.field(factory=MeanLengthPredictor)
     implementation: str | None = None
     _coeffs: tuple[float, ...] = attrs.field(init=False)
+    # The compiled replayer of the last KV geometry seen: (policy, implementation,
+    # geometry, replayer); re-binding and looking it up per snapshot costs as
+    # much as preparing the requests.
+    _compiled: tuple[Policy, str | None, tuple[int, int] | None, Replayer] | None = attrs.field(
+        init=False, default=None
+    )
 
     def __attrs_post_init__(self) -> None:
         self._coeffs = _replay_coeffs(self.batch_time)
@@ -180,6 +187,13 @@ class BEAEstimator:
     def _set_coeffs(self, bt: BatchTimeModel) -> BatchTimeModel:
         self._coeffs = _replay_coeffs(bt)
         return bt
+
+    @property
+    def replay_coeffs(self) -> tuple[float, ...]:
+        """The coefficients the replay runs on: eq. 12's four, plus the dense
+        floor's ``tau`` when :attr:`batch_time` has one (fast-forward times its
+        batches with the same)."""
+        return self._coeffs
 
     @classmethod
     def for_scheduler(
@@ -199,15 +213,28 @@ class BEAEstimator:
         prefix-caching policy given a snapshot with ``kv.prefix_cache`` replays
         its blocks one by one (``docs/prefix-caching.md``).
         """
-        pol = self.policy
-        free = -1
-        if snapshot.kv is not None:
-            pol = pol.with_kv(snapshot.kv.block_size, snapshot.kv.num_blocks)
-            free = snapshot.kv.free_blocks
+        kv = snapshot.kv
+        geometry = None if kv is None else (kv.block_size, kv.num_blocks)
+        memo = self._compiled
+        if (
+            memo is None
+            or memo[0] is not self.policy  # identity: equality of policies costs microseconds
+            or memo[1] != self.implementation
+            or memo[2] != geometry
+        ):
+            pol = self.policy if kv is None else self.policy.with_kv(kv.block_size, kv.num_blocks)
+            memo = (
+                self.policy,
+                self.implementation,
+                geometry,
+                compile_scheduler(pol, self.implementation),
+            )
+            self._compiled = memo
+        replayer = memo[3]
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
-        replayer = compile_scheduler(pol, self.implementation)
+        free = -1 if kv is None else kv.free_blocks
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(pol, snapshot))
+        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(replayer.policy, snapshot))
 
     def bound(self, prepared: PreparedSnapshot, prompt_tokens: int) -> float:
         """A lower bound on :meth:`ttft` for a new request, in O(1).
@@ -226,12 +253,13 @@ class BEAEstimator:
         snap = prepared.snapshot
         if snap.prefix_cache is not None:
             return 0.0
-        b0, b1, _b2, b3 = self._coeffs[:4]
-        p = float(max(1, prompt_tokens))
-        tokens = prepared.ahead[0] + p
-        attention = prepared.ahead[1] + p * (p + 1.0) * 0.5
+        c = self._coeffs
+        p = float(prompt_tokens) if prompt_tokens > 1 else 1.0
+        ahead_tokens, ahead_attention = prepared.ahead
+        tokens = ahead_tokens + p
+        attention = ahead_attention + p * (p + 1.0) * 0.5
         batches = math.ceil(tokens / prepared.replayer.policy.token_budget)
-        t = b0 * batches + b1 * tokens + b3 * attention
+        t = c[0] * batches + c[1] * tokens + c[3] * attention
         # Below the replay's own sums by more than their rounding.
         return t * (1.0 - 1e-9) + (snap.inflight_remaining_s or 0.0)
 
@@ -326,8 +354,9 @@ class BEAEstimator:
         inflight = prepared.snapshot.inflight_remaining_s or 0.0
         coeffs = self._coeffs
         if horizon_s != math.inf:
-            if prefix_keys is None:
-                # Known late from the queue ahead alone: no replay at all.
+            if prefix_keys is None and prepared.ahead[0] > 0.0:
+                # Known late from the queue ahead alone: no replay at all. (With
+                # nothing queued ahead, a replay meets the horizon about as soon.)
                 lb = self.bound(prepared, prompt_tokens)
                 if lb > horizon_s:
                     return lb

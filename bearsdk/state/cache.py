@@ -38,8 +38,6 @@ from bearsdk.snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_snapshot
 
 if TYPE_CHECKING:
     from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
-    from bearsdk.replay import Replayer
-    from bearsdk.schedulers import BoundScheduler
 
 __all__ = ["CacheStats", "CachedSnapshot", "Outcome", "Reject", "SnapshotCache"]
 
@@ -207,9 +205,6 @@ class SnapshotCache:
     _stale_run: int = attrs.field(init=False, default=0)
     _stale_seq: int = attrs.field(init=False, default=-1)
     _changed: anyio.Event | None = attrs.field(init=False, default=None)
-    _replayer: tuple[BoundScheduler, str | None, tuple[int, int] | None, Replayer] | None = (
-        attrs.field(init=False, default=None)
-    )
 
     # ------------------------------------------------------------------ reads
 
@@ -348,7 +343,7 @@ class SnapshotCache:
         prepared = None
         if self.estimator is not None:
             try:
-                prepared = self._prepare(self.estimator, snapshot)
+                prepared = self.estimator.prepare(snapshot)
             except (BearError, ValueError) as exc:
                 self.reject(
                     Reject.UNREPLAYABLE, f"snapshot seq {snapshot.seq}: {exc}", source=source
@@ -398,37 +393,6 @@ class SnapshotCache:
             except Exception:
                 log.warning("%s: on_accept raised", self.instance, exc_info=True)
         return Outcome.ACCEPTED
-
-    def _prepare(self, est: BEAEstimator, snapshot: Snapshot) -> PreparedSnapshot:
-        # BEAEstimator.prepare, with the compiled replayer kept across snapshots
-        # of the same KV geometry: re-binding and looking up the scheduler costs
-        # as much as preparing the requests (tests pin the equivalence).
-        from bearsdk.estimators.bea import PreparedSnapshot, prefill_ahead
-        from bearsdk.estimators.length import resolve_output_lengths
-        from bearsdk.schedulers import compile_scheduler
-
-        kv = snapshot.kv
-        geometry = None if kv is None else (kv.block_size, kv.num_blocks)
-        memo = self._replayer
-        if (
-            memo is None
-            or memo[0] is not est.policy  # identity: equality of schedulers costs microseconds
-            or memo[1] != est.implementation
-            or memo[2] != geometry
-        ):
-            pol = est.policy if kv is None else est.policy.with_kv(kv.block_size, kv.num_blocks)
-            memo = (
-                est.policy,
-                est.implementation,
-                geometry,
-                compile_scheduler(pol, est.implementation),
-            )
-            self._replayer = memo
-        replayer = memo[3]
-        table = resolve_output_lengths(snapshot.table, est.length_predictor, snapshot.ids)
-        free = -1 if kv is None else kv.free_blocks
-        state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(est.policy, snapshot))
 
     def reject(self, reason: Reject, detail: str, *, source: str = "") -> None:
         """Count and log a rejected snapshot (sources report transport-level ones here).

@@ -117,7 +117,7 @@ class FastForward:
             known = self._known(snap.ids, snap.table[:, COL_OUTPUT])
             self._pinned = {rid for rid, k in zip(snap.ids, known.tolist(), strict=True) if k > 0}
         prepared = geo.prepare(table, free, snap.ids)
-        core = SchedulerCore.from_prepared(geo, prepared, False, est.batch_time.coeffs)
+        core = SchedulerCore.from_prepared(geo, prepared, False, est.replay_coeffs)
         core.requests = {r.rid: r for r in (*core.running, *core.waiting)}
         self._core = core
         self._depth = 2 if pol.async_scheduling else 1
@@ -215,8 +215,8 @@ class FastForward:
         snap = self.snapshot
         core = self._core
         if core.pool is None:
-            ids, cols = core.rows()
-            table = np.array(cols, dtype=np.int64).reshape(len(cols), NCOLS)
+            ids, flat = core.rows()
+            table = np.array(flat, dtype=np.int64).reshape(len(ids), NCOLS)
         else:
             doc = core.snapshot(
                 instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True

@@ -315,7 +315,7 @@ class InstanceState:
         est = self.estimator
         if horizon_s != math.inf:
             base = entry.prepared
-            if base is not None and base.snapshot.prefix_cache is None:
+            if base is not None and base.ahead[0] > 0.0 and base.snapshot.prefix_cache is None:
                 # The engine got through at most ``age`` seconds of that work since.
                 lb = est.bound(base, prompt_tokens) - min(age, 1e9)
                 if lb > horizon_s:
