@@ -35,8 +35,8 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, cdiv, horizon_arg, imax,
-    imin, output_limit, output_target, read_policy, tokens_arg,
+    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, arrival_arg, cdiv,
+    horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg,
 )
 
 cdef extern from "Python.h":
@@ -48,7 +48,8 @@ import numpy as np
 from bearsdk.errors import short_repr
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY as _MAX_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_horizon, check_policy, check_running, check_table, check_tokens,
+    StopReason, check_arrival, check_horizon, check_policy, check_running, check_table,
+    check_tokens,
 )
 from bearsdk.snapshot import (
     COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
@@ -214,6 +215,8 @@ ctypedef struct St:
     double tau
     double t
     double horizon  # stop past it before the first token (INFINITY: never)
+    double arrival  # the new request joins before the first batch at or after it
+    bint pending_new  # it has not joined yet
     bint record
     int64_t* log
     int64_t n_log
@@ -987,6 +990,9 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
     cdef int64_t j
     cdef bint inert
     while True:
+        if st.pending_new and st.t >= st.arrival:
+            wq_push_back(st, st.new_slot)
+            st.pending_new = False
         b = ring_new(st)
         schedule(st, b)
         st.work += 1 + st.n_run + b.nlive
@@ -1010,7 +1016,12 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                 if q.nlive or q.n_samp:
                     inert = False
             if inert:
-                return R_NEVER
+                if not st.pending_new:
+                    return R_NEVER
+                # Idle until the new request arrives.
+                st.t = st.arrival
+                wq_push_back(st, st.new_slot)
+                st.pending_new = False
         if (b.nlive and st.k >= max_batches) or st.work >= st.max_work:
             return R_LIMIT
         if st.ring_n < st.P.depth:
@@ -1413,7 +1424,8 @@ cdef class Replayer:
         st.cur = 0
 
     cdef int _start(self, Prepared pr, object prompt_tokens, object output_len,
-                    object max_tokens, object coeffs, bint record, object prefix_keys) except -1:
+                    object max_tokens, object coeffs, bint record, object prefix_keys,
+                    double arrival=0.0) except -1:
         cdef St* st = &self.st
         cdef Rq* q
         cdef Batch* b0
@@ -1492,7 +1504,11 @@ cdef class Replayer:
         q.key_off = 0
         q.key_cap = nk
         q.nkeys = nk
-        wq_push_back(st, st.new_slot)
+        # It joins the end of the waiting queue now, or when it arrives.
+        st.arrival = arrival
+        st.pending_new = arrival > 0.0
+        if not st.pending_new:
+            wq_push_back(st, st.new_slot)
         if pr.has_inflight:
             b0 = ring_new(st)
             b0.carried = True
@@ -1501,10 +1517,12 @@ cdef class Replayer:
         return 0
 
     def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1,
-             prefix_keys=None, horizon_s=INFINITY):
+             prefix_keys=None, horizon_s=INFINITY, arrival_s=0.0):
         """Return only the predicted time to first token (``inf`` when never)."""
         cdef double horizon = horizon_arg(horizon_s, check_horizon)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, prefix_keys)
+        cdef double arrival = arrival_arg(arrival_s, check_arrival)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, prefix_keys,
+                    arrival)
         self.st.horizon = horizon
         cdef int rc
         with nogil:
@@ -1513,7 +1531,8 @@ cdef class Replayer:
 
     def replay(self, Prepared prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY):
+               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY,
+               arrival_s=0.0):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay`` (``max_work`` counts
@@ -1523,7 +1542,9 @@ cdef class Replayer:
         cdef int64_t work = check_tokens(
             _MAX_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
         cdef double horizon = check_horizon(horizon_s)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, prefix_keys)
+        cdef double arrival = check_arrival(arrival_s)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, prefix_keys,
+                    arrival)
         self.st.max_work = work
         self.st.horizon = horizon
         cdef int rc

@@ -30,7 +30,8 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
-    cdiv, horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg,
+    arrival_arg, cdiv, horizon_arg, imax, imin, output_limit, output_target, read_policy,
+    tokens_arg,
 )
 
 import numpy as np
@@ -39,7 +40,7 @@ from bearsdk.replay import _replay_apc_c
 
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK as _MAX_REPLAY_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_horizon, check_policy, check_running, check_table,
+    StopReason, check_arrival, check_horizon, check_policy, check_running, check_table,
     check_tokens,
 )
 from bearsdk.snapshot import (
@@ -220,6 +221,8 @@ ctypedef struct State:
     double tau           # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
     double t
     double horizon       # stop past it before the first token (INFINITY: never)
+    double arrival       # the new request joins before the first batch at or after it
+    bint pending_new     # it has not joined yet
     # optional batch log
     bint record
     int64_t* log
@@ -1266,19 +1269,19 @@ cdef inline double run_first_batch_s(State* st) noexcept nogil:
     return st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * (st.s_base + st.n_lazy * st.vt)
 
 
-cdef inline int64_t horizon_run_limit(State* st, int64_t m) noexcept nogil:
-    """Cap a closed-form run so that it ends before the horizon, with a margin.
+cdef inline int64_t run_limit_before(State* st, int64_t m, double until) noexcept nogil:
+    """Cap a closed-form run so that it ends before ``until``, with a margin.
 
     The run's batch j costs a + g * j (contexts grow by n_lazy per batch), so
     m batches cost m * a + g * m * (m - 1) / 2; the largest m that stays within
     the time left solves a quadratic. Two batches short of it, the ordinary
-    path meets the horizon batch by batch, exactly where the twin does
+    path meets ``until`` batch by batch, exactly where the twin does
     (summation order only moves the crossing by rounding, far below a batch).
     """
     cdef double left, a, g, p, disc, bound
-    if st.horizon == INFINITY or m <= 0:
+    if until == INFINITY or m <= 0:
         return m
-    left = st.horizon - st.t
+    left = until - st.t
     if left <= 0.0:
         return 0
     a = run_first_batch_s(st)
@@ -1286,7 +1289,7 @@ cdef inline int64_t horizon_run_limit(State* st, int64_t m) noexcept nogil:
     p = a - g / 2.0
     disc = p * p + 2.0 * g * left
     if p + sqrt(disc) <= 0.0:
-        return m  # batches that cost nothing never reach a horizon
+        return m  # batches that cost nothing never reach it
     bound = floor(2.0 * left / (p + sqrt(disc))) - 2.0
     if bound < <double>m:
         return imax(<int64_t>bound, 0)
@@ -1324,7 +1327,11 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
     if e != NULL:
         m = imin(m, e.key + depth - st.vt)
     m = kv_run_limit(st, m)
-    m = horizon_run_limit(st, m)
+    m = run_limit_before(st, m, st.horizon)
+    if st.pending_new:
+        # Its arrival is met batch by batch too (a batch scheduled at or after
+        # it sees the new request).
+        m = run_limit_before(st, m, st.arrival)
     if m < 2:
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
@@ -1370,6 +1377,9 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
     cdef int64_t depth = 2 if Pipe is AsyncPipe else 1
     cdef int64_t ran
     while True:
+        if st.pending_new and st.t >= st.arrival:
+            wq_push_back(st, st.new_slot)
+            st.pending_new = False
         ran = try_run(st, a, p, c, max_batches)
         b = ring_new(st)
         schedule(st, a, p, c, b)
@@ -1391,7 +1401,12 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
             prev = &st.ring[st.ring_head] if st.ring_n > 1 else NULL
             if prev == NULL or (prev.nsched == 0 and prev.n_rel == 0 and prev.n_stale == 0
                                 and not prev.sampled_any):
-                return R_NEVER
+                if not st.pending_new:
+                    return R_NEVER
+                # Idle until the new request arrives.
+                st.t = st.arrival
+                wq_push_back(st, st.new_slot)
+                st.pending_new = False
         if st.work >= st.max_work:
             return R_LIMIT
         if st.ring_n < depth:
@@ -1796,7 +1811,7 @@ cdef class Replayer:
         return 0
 
     cdef int _start(self, Prepared pr, object prompt_tokens, object output_len, object max_tokens,
-                    object coeffs, bint record) except -1:
+                    object coeffs, bint record, double arrival=0.0) except -1:
         cdef State* st = &self.st
         cdef Req* q
         cdef Batch* b0
@@ -1873,7 +1888,11 @@ cdef class Replayer:
         q.ro_pos = -1
         q.last_sched = NEVER_SCHEDULED
         q.in_batch = -1
-        wq_push_back(st, st.new_slot)
+        # It joins the end of the waiting queue now, or when it arrives.
+        st.arrival = arrival
+        st.pending_new = arrival > 0.0
+        if not st.pending_new:
+            wq_push_back(st, st.new_slot)
         if (self.code // 2) % 2 and pr.has_inflight:
             b0 = ring_new(st)
             b0.vt = -1
@@ -1886,14 +1905,16 @@ cdef class Replayer:
         return 0
 
     def ttft(self, prepared, prompt_tokens, output_len, coeffs, max_tokens=-1, prefix_keys=None,
-             horizon_s=INFINITY):
+             horizon_s=INFINITY, arrival_s=0.0):
         """Return only the predicted time to first token (``inf`` when never)."""
         self._last_apc = type(prepared) is not Prepared
         if self._last_apc:
             return self._apc_of(prepared).ttft(
-                prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys, horizon_s)
+                prepared, prompt_tokens, output_len, coeffs, max_tokens, prefix_keys, horizon_s,
+                arrival_s)
         cdef double horizon = horizon_arg(horizon_s, check_horizon)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False)
+        cdef double arrival = arrival_arg(arrival_s, check_arrival)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, arrival)
         self.st.horizon = horizon
         cdef int rc
         with nogil:
@@ -1903,7 +1924,8 @@ cdef class Replayer:
 
     def replay(self, prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
-               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY):
+               max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY,
+               arrival_s=0.0):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``; ``max_work`` counts
@@ -1915,12 +1937,13 @@ cdef class Replayer:
         if self._last_apc:
             return self._apc_of(prepared).replay(
                 prepared, prompt_tokens, output_len, coeffs, record, max_batches, max_tokens,
-                max_work, prefix_keys, horizon_s)
+                max_work, prefix_keys, horizon_s, arrival_s)
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         cdef int64_t work = check_tokens(
             _MAX_REPLAY_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
         cdef double horizon = check_horizon(horizon_s)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record)
+        cdef double arrival = check_arrival(arrival_s)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, arrival)
         self.st.max_work = work
         self.st.horizon = horizon
         cdef int rc

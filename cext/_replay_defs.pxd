@@ -142,3 +142,13 @@ cdef inline double horizon_arg(object v, object check) except? -1.0:
         if h > 0.0:  # NaN is not
             return h
     return check(v)
+
+
+cdef inline double arrival_arg(object v, object check) except? -1.0:
+    """``check(v)`` (types.check_arrival) without calling it for a finite float >= 0."""
+    cdef double a
+    if type(v) is float:
+        a = v
+        if 0.0 <= a and a - a == 0.0:  # NaN and infinities fail the second
+            return a
+    return check(v)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_prefix_replay import POLICIES, tokens
-from test_prefix_replay_twins import _run_engine
+from test_prefix_replay_twins import ARRIVAL, NEW, _run_engine
 from test_replay_property import COEFFS, PROBE_POOL, builtin_policy, custom_policy, workload
 
 from bearsdk.estimators import BatchTimeModel
@@ -169,23 +169,9 @@ def test_the_estimator_answers_from_its_stops_as_a_fresh_replay_would(impl: str,
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(sorted(POLICIES)),
-    arrivals=st.lists(
-        st.tuples(
-            st.integers(0, 10),
-            st.integers(0, 2),
-            st.integers(0, 400),
-            st.integers(1, 300),
-            st.integers(1, 60),
-        ),
-        min_size=4,
-        max_size=16,
-    ),
+    arrivals=st.lists(ARRIVAL, min_size=4, max_size=16),
     at=st.integers(0, 30),
-    news=st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400), st.integers(1, 40)),
-        min_size=2,
-        max_size=4,
-    ),
+    news=st.lists(NEW, min_size=2, max_size=4),
     seed=st.integers(0, 2**16),
 )
 def test_an_unexamined_horizon_stop_holds_with_prefix_caching(

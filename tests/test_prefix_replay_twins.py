@@ -60,25 +60,25 @@ def _run_engine(
     return pol, rng, snapshot_from_dict(doc)
 
 
+# A workload's request (arrival step, prefix, shared tokens, prompt, output) and
+# a new request (prefix, shared tokens, prompt, output), as run_engine and
+# tokens take them.
+ARRIVAL = st.tuples(
+    st.integers(0, 10),
+    st.integers(0, 2),
+    st.integers(0, 400),
+    st.integers(1, 300),
+    st.integers(1, 60),
+)
+NEW = st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400), st.integers(1, 40))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(sorted(POLICIES)),
-    arrivals=st.lists(
-        st.tuples(
-            st.integers(0, 10),
-            st.integers(0, 2),
-            st.integers(0, 400),
-            st.integers(1, 300),
-            st.integers(1, 60),
-        ),
-        max_size=16,
-    ),
+    arrivals=st.lists(ARRIVAL, max_size=16),
     at=st.integers(0, 60),
-    news=st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400), st.integers(1, 40)),
-        min_size=1,
-        max_size=3,
-    ),
+    news=st.lists(NEW, min_size=1, max_size=3),
     stop_after=st.integers(1, 60),
     seed=st.integers(0, 2**16),
 )

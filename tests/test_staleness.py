@@ -343,6 +343,66 @@ def test_a_fast_forwarded_view_is_reused_exactly_while_its_batch_runs() -> None:
     assert st._view is not view  # the batch ended: rebuilt
 
 
+def test_a_fast_forwarded_view_is_kept_past_its_batch_exactly() -> None:
+    # Within refresh_s the view outlives its batch in flight: an estimate replays
+    # it on to the decision (the new request arriving that much later), which is
+    # what a view rebuilt at the decision gives.
+    core, t0 = running_engine(5)
+    clock = Clock(t0)
+    st = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.2)
+    snap = snapshot_from_dict(core.snapshot(instance="x", seq=1, time=t0, output_len=True))
+    st.cache.offer(snap, received=t0)
+    for _ in range(10):
+        clock.t += step(core)
+    clock.t += 1e-4
+    st.ttft(700, 10)
+    view = st._view
+    assert view is not None
+    inflight = view.snapshot.inflight_remaining_s
+    assert inflight is not None
+    t1 = clock.t
+    for later in (inflight * 1.5, inflight * 4.3, 0.05, 0.19):
+        clock.t = t1 + later
+        got = st.ttft(700, 10)
+        assert st._view is view  # not rebuilt
+        again = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.0)
+        again.cache.offer(snap, received=t0)
+        assert got.ttft_s == pytest.approx(again.ttft(700, 10).ttft_s, rel=1e-9, abs=1e-12)
+    clock.t = t1 + 0.21
+    st.ttft(700, 10)
+    assert st._view is not view  # past refresh_s: rebuilt
+
+
+def test_a_view_is_rebuilt_before_a_request_the_router_holds_could_finish() -> None:
+    # Fast-forward keeps the router's own requests running until it sees them
+    # finish; a replay of the view would end them at their predicted length.
+    from bearsdk.estimators import RememberedLengths
+
+    rid = "bear-0a1b2c3d-0000000007"
+    lengths = RememberedLengths()
+    lengths.remember(rid, 30)
+    est = BEAEstimator.for_scheduler("vllm-v1", BT, PARAMS, length_predictor=lengths)
+    clock = Clock(0.0)
+    cache = SnapshotCache("x", clock=clock, max_transit_s=math.inf)
+    st = InstanceState(cache, est, rules=StalenessRules(fast_forward_after_s=0.01, refresh_s=10.0))
+    cache.offer(_one_decoding(f"chatcmpl-{rid}"), received=0.0)
+    clock.t = 0.02
+    st.ttft(700, 10)
+    view = st._view
+    assert view is not None
+    # 30 tokens predicted, 1 produced: it cannot finish within 27 batches of b0.
+    limit = (view.snapshot.inflight_remaining_s or 0.0) + (
+        int(view.snapshot.table[0, 5] - view.snapshot.table[0, 3] - view.snapshot.table[0, 6]) - 1
+    ) * BT.b0
+    assert limit > 0.05
+    clock.t = 0.02 + limit * 0.99
+    st.ttft(700, 10)
+    assert st._view is view
+    clock.t = 0.02 + limit * 1.01
+    st.ttft(700, 10)
+    assert st._view is not view
+
+
 class StubFallback:
     def __init__(self) -> None:
         self.calls = 0

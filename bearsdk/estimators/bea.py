@@ -21,7 +21,7 @@ import numpy as np
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.length import LengthPredictor, MeanLengthPredictor, resolve_output_lengths
 from bearsdk.replay import Replayer
-from bearsdk.replay.types import BatchRecord, StopReason, check_horizon
+from bearsdk.replay.types import BatchRecord, StopReason, check_arrival, check_horizon
 from bearsdk.schedulers import Policy, bind_scheduler, compile_scheduler
 from bearsdk.snapshot import (
     COL_COMPUTED,
@@ -43,8 +43,9 @@ def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
     return bt.extended_coeffs if bt.has_dense_floor else bt.coeffs
 
 
-def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot) -> float:
-    """The replay's horizon: the caller's, less the batch in flight (which it adds back).
+def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot, arrival_s: float = 0.0) -> float:
+    """The replay's horizon: the caller's, from the new request's arrival (``arrival_s``
+    after the snapshot), less the batch in flight (which the replay starts after).
 
     A batch in flight that already reaches the horizon leaves the replay the
     smallest one there is: it stops after its first batch, past the horizon.
@@ -54,7 +55,14 @@ def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot) -> float:
     inflight = prepared.snapshot.inflight_remaining_s or 0.0
     # A float > 0 needs no further check (NaN is not > 0): the hot path's case.
     h = horizon_s if type(horizon_s) is float and horizon_s > 0.0 else check_horizon(horizon_s)
-    return max(h - inflight, sys.float_info.min)
+    return max(h + arrival_s - inflight, sys.float_info.min)
+
+
+def _arrival(arrival_s: float) -> float:
+    """``arrival_s`` checked: a finite float >= 0 passes without a call (the hot path)."""
+    if type(arrival_s) is float and 0.0 <= arrival_s < math.inf:
+        return arrival_s
+    return check_arrival(arrival_s)
 
 
 @attrs.frozen
@@ -110,8 +118,8 @@ class PreparedSnapshot:
     state: Any
     ahead: tuple[float, float] = (0.0, 0.0)
     # Horizon stops reached before admission ever looked at the new request:
-    # (replay horizon, time reached, coefficients), see BEAEstimator.ttft.
-    horizon_stops: list[tuple[float, float, tuple[float, ...]]] = attrs.field(
+    # (replay horizon, time reached, coefficients, arrival), see BEAEstimator.ttft.
+    horizon_stops: list[tuple[float, float, tuple[float, ...], float]] = attrs.field(
         factory=list, init=False, repr=False
     )
 
@@ -273,6 +281,7 @@ class BEAEstimator:
         explain: bool = False,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> TTFTEstimate:
         """Predict the TTFT of a new request joining the instance's waiting queue.
 
@@ -289,11 +298,20 @@ class BEAEstimator:
                 batch in flight included): the estimate is then a lower bound
                 past it (:attr:`TTFTEstimate.lower_bound`), at a cost bounded by
                 the horizon rather than by the queue ahead.
+            arrival_s: When the new request arrives, seconds after the
+                snapshot: the replay runs the snapshot's requests on until then
+                (it joins the waiting queue before the first batch scheduled at
+                or after it), so one prepared snapshot answers for later
+                arrivals exactly; ``ttft_s`` counts from the arrival. Within the
+                batch in flight this is that batch's remaining time less the
+                arrival.
 
         Returns:
             The estimate.
         """
         prep = snapshot if isinstance(snapshot, PreparedSnapshot) else self.prepare(snapshot)
+        arrival = _arrival(arrival_s)
+        inflight = prep.snapshot.inflight_remaining_s or 0.0
         if output_len is None:
             import numpy as np
 
@@ -312,11 +330,11 @@ class BEAEstimator:
             record=explain,
             max_tokens=-1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
-            horizon_s=_replay_horizon(horizon_s, prep),
+            horizon_s=_replay_horizon(horizon_s, prep, arrival),
+            arrival_s=max(arrival - inflight, 0.0),
         )
-        inflight = prep.snapshot.inflight_remaining_s or 0.0
         return TTFTEstimate(
-            ttft_s=res.ttft_s + inflight,
+            ttft_s=res.ttft_s + inflight - arrival,
             first_token_batch=res.first_token_batch,
             inflight_s=inflight,
             stop_reason=res.stop_reason,
@@ -331,6 +349,7 @@ class BEAEstimator:
         max_tokens: int | None = None,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> float:
         """The hot path: predicted TTFT in seconds, nothing else (``inf`` when never).
 
@@ -347,25 +366,34 @@ class BEAEstimator:
             horizon_s: Stop once the TTFT is known to exceed this (see
                 :meth:`estimate`); when :meth:`bound` already does, that bound
                 is the answer, with nothing replayed.
+            arrival_s: When it arrives, seconds after the snapshot (see
+                :meth:`estimate`); the answer counts from then.
         """
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
-        h = _replay_horizon(horizon_s, prepared)
+        arrival = (
+            arrival_s if arrival_s == 0.0 and type(arrival_s) is float else _arrival(arrival_s)
+        )
+        h = _replay_horizon(horizon_s, prepared, arrival)
         inflight = prepared.snapshot.inflight_remaining_s or 0.0
+        late = inflight - arrival  # the answer is the replay's time plus this
+        start = -late if late < 0.0 else 0.0  # its arrival in the replay's time
         coeffs = self._coeffs
         if horizon_s != math.inf:
             if prefix_keys is None and prepared.ahead[0] > 0.0:
                 # Known late from the queue ahead alone: no replay at all. (With
                 # nothing queued ahead, a replay meets the horizon about as soon.)
                 lb = self.bound(prepared, prompt_tokens)
-                if lb > horizon_s:
-                    return lb
-            for lo, reached, co in prepared.horizon_stops:
+                if lb > horizon_s + arrival:
+                    return lb - arrival
+            for lo, reached, co, came in prepared.horizon_stops:
                 # The batches up to the stop did not depend on the new request,
                 # and the first batch ending past ``h`` is the one that ended
                 # past ``lo`` for every ``h`` in [lo, reached): the same answer.
-                if lo <= h < reached and co is coeffs:
-                    return reached + inflight
+                # A later arrival is reached later still (it joins behind
+                # whatever waited), never an earlier one.
+                if lo <= h < reached and co is coeffs and start >= came:
+                    return reached + inflight - arrival
         rep = prepared.replayer
         t = rep.ttft(
             prepared.state,
@@ -375,10 +403,11 @@ class BEAEstimator:
             -1 if max_tokens is None else max_tokens,
             prefix_keys=prefix_keys,
             horizon_s=h,
+            arrival_s=start,
         )
         if h < t < math.inf and not rep.last_new_examined:
             stops = prepared.horizon_stops
             if len(stops) >= _HORIZON_STOPS:
                 del stops[0]
-            stops.append((h, t, coeffs))
-        return t + inflight
+            stops.append((h, t, coeffs, start))
+        return t + inflight - arrival

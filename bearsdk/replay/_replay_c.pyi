@@ -39,6 +39,7 @@ class Replayer:
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = ...,
+        arrival_s: float = ...,
     ) -> float: ...
     def replay(
         self,
@@ -52,4 +53,5 @@ class Replayer:
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = ...,
+        arrival_s: float = ...,
     ) -> ReplayResult: ...

@@ -26,6 +26,7 @@ from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY,
     MAX_TOKENS,
     ReplayResult,
+    check_arrival,
     check_horizon,
     check_tokens,
 )
@@ -105,6 +106,7 @@ class Replayer:
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> float:
         """Return only the predicted time to first token (``inf`` when never).
 
@@ -119,6 +121,7 @@ class Replayer:
             max_tokens=max_tokens,
             prefix_keys=prefix_keys,
             horizon_s=horizon_s,
+            arrival_s=arrival_s,
         ).ttft_s
 
     def replay(
@@ -133,6 +136,7 @@ class Replayer:
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token.
 
@@ -158,6 +162,14 @@ class Replayer:
                 :attr:`~bearsdk.replay.types.StopReason.HORIZON`: a decision that
                 only needs "within the target?" pays for the horizon, not for
                 the whole queue ahead.
+            arrival_s: When the new request arrives (seconds from the
+                snapshot's batch in flight ending): it joins the waiting queue
+                before the first batch scheduled at or after it, the snapshot's
+                requests running on meanwhile (an idle engine waits for it).
+                So one prepared snapshot answers for requests arriving later,
+                as fast-forwarding it to then would. Every time returned still
+                counts from the replay's start: the TTFT is ``ttft_s`` less
+                the arrival.
 
         Returns:
             The first-token batch, the summed batch times, and optionally the
@@ -172,6 +184,7 @@ class Replayer:
         work = MAX_REPLAY_WORK_PY if max_work is None else max_work
         work = check_tokens(work, "max_work", -MAX_TOKENS)
         horizon = check_horizon(horizon_s)
+        arrival = check_arrival(arrival_s)
         run = SchedulerCore.from_prepared(self._geo, prepared, record, coeffs)
         if run.pool is None:
             new = self._geo.make_req(
@@ -188,8 +201,9 @@ class Replayer:
                 : prompt_tokens // self._geo.block_size
             ]
             new = c
-        run.waiting.append(new)
+        if arrival == 0.0:
+            run.waiting.append(new)
         try:
-            return run.go(new, max_batches, work, horizon)
+            return run.go(new, max_batches, work, horizon, arrival)
         finally:
             self._new_seen = run.watched_seen

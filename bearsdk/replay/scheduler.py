@@ -395,15 +395,31 @@ class SchedulerCore:
     # -- engine loop --------------------------------------------------------
 
     def go(
-        self, new: Req, max_batches: int, max_work: int, horizon: float = math.inf
+        self,
+        new: Req,
+        max_batches: int,
+        max_work: int,
+        horizon: float = math.inf,
+        arrival: float = 0.0,
     ) -> ReplayResult:
+        """Run until ``new``'s first token (the replay; see ``Replayer.replay``).
+
+        With ``arrival > 0``, ``new`` joins the waiting queue before the first
+        batch scheduled at or after that time (as fast-forward adds a dispatch),
+        and an engine idle before it waits for it; otherwise the caller has
+        queued it. Times count from the end of the batch in flight.
+        """
         depth = self.geo.depth
         k = 0
         t = 0.0
         work = 0
         self.watched = new
         self.watched_seen = False
+        pending = arrival > 0.0
         while True:
+            if pending and t >= arrival:
+                self.waiting.append(new)
+                pending = False
             batch = self.schedule()
             # What this loop touches per batch: the running list and the batch.
             work += 1 + len(self.running) + len(batch.sched)
@@ -416,9 +432,14 @@ class SchedulerCore:
                 if t > horizon:
                     return ReplayResult(0, t, StopReason.HORIZON, self._batches())
             elif all(q.inert() for q in self.queue):
-                # Nothing scheduled and nothing in flight that could free a seat
-                # or a block: the new request can never be served.
-                return ReplayResult(0, math.inf, StopReason.NEVER_ADMITTED, self._batches())
+                if not pending:
+                    # Nothing scheduled and nothing in flight that could free a
+                    # seat or a block: the new request can never be served.
+                    return ReplayResult(0, math.inf, StopReason.NEVER_ADMITTED, self._batches())
+                # Idle until the new request arrives.
+                t = arrival
+                self.waiting.append(new)
+                pending = False
             if (batch.sched and k >= max_batches) or work >= max_work:
                 # The batches so far happen before the first token: their time
                 # bounds the TTFT from below.

@@ -27,6 +27,7 @@ __all__ = [
     "ReplayResult",
     "ReplayerProtocol",
     "StopReason",
+    "check_arrival",
     "check_horizon",
     "check_policy",
     "check_running",
@@ -96,6 +97,20 @@ def check_horizon(value: object) -> float:
     v = float(value)
     if not v > 0.0:
         raise ValueError(f"horizon_s must be > 0 (got {short_repr(value)})")
+    return v
+
+
+def check_arrival(value: object) -> float:
+    """Return ``value`` as an arrival offset: a finite number of seconds >= 0.
+
+    Raises:
+        ValueError: It is not a real number, negative, infinite or NaN.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"arrival_s must be a number of seconds (got {short_repr(value)})")
+    v = float(value)
+    if not 0.0 <= v < math.inf:
+        raise ValueError(f"arrival_s must be finite and >= 0 (got {short_repr(value)})")
     return v
 
 
@@ -308,12 +323,16 @@ class ReplayerProtocol(Protocol):
         max_tokens: int = -1,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> float:
         """Predicted time to first token only (``inf`` when never).
 
         Past ``horizon_s`` the replay stops and returns the time it reached
         (a lower bound, > ``horizon_s``): what a caller that only asks
         "within the horizon?" needs, at a cost bounded by the horizon.
+        With ``arrival_s`` the new request joins the waiting queue before the
+        first batch scheduled at or after that time; every time, the answer
+        included, still counts from the replay's start.
         """
         ...
 
@@ -329,6 +348,7 @@ class ReplayerProtocol(Protocol):
         max_work: int | None = None,
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
+        arrival_s: float = 0.0,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token (or ``horizon_s``)."""
         ...

@@ -40,6 +40,7 @@ from bearsdk.replay.requests import PolicyGeometry
 from bearsdk.snapshot import (
     COL_OUTPUT,
     COL_OUTPUT_LEN,
+    COL_PLACEHOLDERS,
     NCOLS,
     STATE_RUNNING,
     STATE_WAITING,
@@ -239,6 +240,26 @@ class FastForward:
             inflight_remaining_s=remaining if remaining > 0 else None,
             epoch=snap.epoch,
         )
+
+    def exact_for(self, view: Snapshot, b0: float) -> float:
+        """How long past ``view``'s batch in flight a replay of it stays what
+        fast-forwarding gives: until a request the router holds running could
+        reach its predicted length (which the replay would end there).
+
+        Args:
+            view: A snapshot :meth:`at` returned.
+            b0: The shortest a batch can take (eq. 12's fixed term): a request
+                ``n`` tokens short of its length needs ``n`` more batches.
+        """
+        held = self._pinned
+        if not held:
+            return math.inf
+        t = view.table
+        rows = [i for i, rid in enumerate(view.ids) if rid in held]
+        if not rows:
+            return math.inf
+        left = t[rows, COL_OUTPUT_LEN] - t[rows, COL_OUTPUT] - t[rows, COL_PLACEHOLDERS]
+        return max(int(left.min()) - 1, 0) * b0
 
     def elapsed(self, now: float) -> float:
         """Seconds of engine time simulated by ``now``."""

@@ -74,9 +74,10 @@ class StalenessRules:
             remaining time, which is exact while it runs).
         fallback_after_s: Use the fallback estimator for snapshots older than
             this (``inf``: never).
-        refresh_s: A fast-forwarded view is reused for estimates within this
-            much time of each other; and for as long as the batch in flight in
-            it runs, its age deducted from that batch, which is exact.
+        refresh_s: A fast-forwarded view is kept for up to this long, and
+            always while the batch in flight in it runs: an estimate from it
+            replays the view on to the decision (the new request arriving that
+            much later), which is exact, and costs more the older the view.
         overlay_grace_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
         overlay_expire_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
     """
@@ -84,7 +85,7 @@ class StalenessRules:
     overlay: bool = True
     fast_forward_after_s: float | None = attrs.field(default=0.01, validator=_optional_age)
     fallback_after_s: float = attrs.field(default=2.0, validator=_age)
-    refresh_s: float = attrs.field(default=0.002, validator=_age)
+    refresh_s: float = attrs.field(default=0.02, validator=_age)
     overlay_grace_s: float = attrs.field(default=0.05, validator=_age)
     overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
 
@@ -150,6 +151,7 @@ class InstanceState:
     _ff_version: int = attrs.field(init=False, default=-1)
     _view_key: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
     _view_at: float = attrs.field(init=False, default=-math.inf)
+    _view_until: float = attrs.field(init=False, default=0.0)  # reuse it up to this age
     _view: PreparedSnapshot | None = attrs.field(init=False, default=None)
     _view_pending: int = attrs.field(init=False, default=0)
     _mode: str = attrs.field(init=False, default="none")
@@ -321,12 +323,19 @@ class InstanceState:
                 if lb > horizon_s:
                     return self._set(Estimate(lb, "bound", age, 0, True), now)
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
-        h = horizon_s + elapsed
         if output_len is None:
-            t = est.estimate(prep, prompt_tokens, None, max_tokens=max_tokens, horizon_s=h).ttft_s
+            t = est.estimate(
+                prep,
+                prompt_tokens,
+                None,
+                max_tokens=max_tokens,
+                horizon_s=horizon_s,
+                arrival_s=elapsed,
+            ).ttft_s
         else:
-            t = est.ttft(prep, prompt_tokens, output_len, max_tokens, horizon_s=h)
-        t -= elapsed
+            t = est.ttft(
+                prep, prompt_tokens, output_len, max_tokens, horizon_s=horizon_s, arrival_s=elapsed
+            )
         return self._set(Estimate(t, mode, age, pending, t > horizon_s), now)
 
     def _idle(self, entry: CachedSnapshot) -> bool:
@@ -400,12 +409,11 @@ class InstanceState:
         view = self._view
         if view is not None and self._view_key == key:
             dt = now - self._view_at
-            inflight = view.snapshot.inflight_remaining_s or 0.0
-            # Until the batch in flight in the view ends, the engine is where
-            # the view says, that much further into that batch: exact, so the
-            # view is rebuilt about once per engine step, not per refresh_s.
-            if 0.0 <= dt <= max(self.rules.refresh_s, inflight):
-                return view, min(dt, inflight)
+            # The estimates replay the view on to the decision (the new request
+            # arrives dt after it): exact for as long as fast-forwarding would
+            # have done the same (see _forwarded's end).
+            if 0.0 <= dt <= self._view_until:
+                return view, dt
         try:
             if self._ff is None or self._ff_version != entry.version:
                 self._ff = FastForward(entry.snapshot, self.estimator, entry.captured)
@@ -425,4 +433,13 @@ class InstanceState:
         self._view_key = key
         self._view_at = now
         self._view_pending = len(pending)
+        # Kept while its batch in flight runs (the engine is then only further
+        # into it), and beyond for up to refresh_s while no request the router
+        # holds running could reach its predicted length: fast-forward would
+        # keep it running, a replay of the view would end it.
+        inflight = snap.inflight_remaining_s or 0.0
+        b0 = self.estimator.replay_coeffs[0]
+        self._view_until = max(
+            inflight, min(self.rules.refresh_s, inflight + self._ff.exact_for(snap, b0))
+        )
         return self._view, 0.0
