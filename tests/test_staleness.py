@@ -188,6 +188,49 @@ def test_overlay_adds_unseen_dispatches_in_order() -> None:
     assert view.kv.free_blocks == 3000 - 19
 
 
+def test_a_dispatch_seen_running_takes_no_seat_the_engine_lacks() -> None:
+    # Every seat taken in the snapshot: a dispatch whose first token the router
+    # saw has replaced one the snapshot still shows. The view stays one an
+    # engine could be in (the replay refuses more running than max_num_seqs),
+    # and the estimate is made (bench staleness once stopped on this).
+    clock = Clock(100.0)
+    st = make_state(clock, fast_forward_after_s=None)
+    rows = [
+        {
+            "id": f"r{i}",
+            "state": "running",
+            "prompt_tokens": 50,
+            "computed_tokens": 50,
+            "output_tokens": 1,
+        }
+        for i in range(PARAMS["max_num_seqs"])
+    ]
+    st.cache.offer(
+        snapshot_from_dict(
+            {
+                "schema": "bear.snapshot/1",
+                "instance": "x",
+                "seq": 1,
+                "time": 100.0,
+                "requests": rows,
+            }
+        ),
+        received=100.0,
+    )
+    st.on_dispatch("late", 300, now=100.1)
+    st.on_tokens("late", 1)
+    st.on_dispatch("queued", 200, now=100.1)
+    clock.t = 100.2
+    e = st.ttft(700, 10)
+    assert e.mode == "overlay"
+    view = st._view
+    assert view is not None
+    assert view.snapshot.num_running == PARAMS["max_num_seqs"]
+    assert "late" not in view.snapshot.ids
+    assert "queued" in view.snapshot.ids
+    assert st.fast_forward_errors == 0
+
+
 def test_overlay_keeps_a_bounded_number_of_unseen_dispatches() -> None:
     # A flood of (forged) dispatches from the bus forgets the oldest, never grows.
     ov = DispatchOverlay(max_pending=3)

@@ -157,6 +157,7 @@ class InstanceState:
     _mode: str = attrs.field(init=False, default="none")
     _switches: int = attrs.field(init=False, default=0)
     _ff_errors: int = attrs.field(init=False, default=0)
+    _overlay_refused: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.cache.estimator is None:
@@ -189,7 +190,8 @@ class InstanceState:
 
     @property
     def fast_forward_errors(self) -> int:
-        """Fast-forwards that failed (the snapshot was then replayed as it is)."""
+        """Fast-forwards and dispatch overlays that failed (the snapshot was then
+        replayed as it is)."""
         return self._ff_errors
 
     def on_dispatch(
@@ -394,9 +396,21 @@ class InstanceState:
         if not pending:
             return base, "bea", 0, elapsed
         key = (entry.version, ov.version, False)
+        if key == self._overlay_refused:
+            return base, "bea", 0, elapsed
         if self._view_key != key or self._view is None:
-            snap = DispatchOverlay.apply(entry.snapshot, pending)
-            self._view = self.estimator.prepare(snap)
+            snap = DispatchOverlay.apply(
+                entry.snapshot, pending, max_running=self.estimator.policy.max_seqs
+            )
+            try:
+                self._view = self.estimator.prepare(snap)
+            except (ValueError, RecursionError) as exc:
+                # A view the replay refuses: the snapshot as it is, until either
+                # changes (a decision is never lost to the overlay).
+                self._overlay_refused = key
+                self._ff_errors += 1
+                log.warning("%s: dispatch overlay refused (%s); using the snapshot", self.name, exc)
+                return base, "bea", 0, elapsed
             self._view_key = key
             self._view_pending = len(pending)
         return self._view, "overlay", self._view_pending, elapsed

@@ -200,16 +200,22 @@ class DispatchOverlay:
         return [d for d in self._pending.values() if d.time >= edge]
 
     @staticmethod
-    def apply(snapshot: Snapshot, dispatches: Sequence[Dispatch]) -> Snapshot:
+    def apply(
+        snapshot: Snapshot, dispatches: Sequence[Dispatch], max_running: int | None = None
+    ) -> Snapshot:
         """``snapshot`` with ``dispatches`` added, in order.
 
         Dispatches not started join the end of the waiting queue; started ones
         (first token seen) the end of the running requests, holding the KV blocks
-        of their computed tokens.
+        of their computed tokens, as long as the engine has seats for them
+        (``max_running``, its ``max_num_seqs``): with every seat taken in the
+        snapshot, a request seen running has taken the seat of one the snapshot
+        still shows, and the view keeps that one in its place.
         """
         if not dispatches:
             return snapshot
         taken = set(snapshot.ids)
+        seats = math.inf if max_running is None else max_running - snapshot.num_running
         run_ids: list[str] = []
         run_rows: list[list[int]] = []
         wait_ids: list[str] = []
@@ -218,6 +224,8 @@ class DispatchOverlay:
             if d.rid in taken:
                 continue
             if d.started:
+                if len(run_ids) >= seats:
+                    continue
                 run_ids.append(d.rid)
                 run_rows.append(d.row())
             else:
