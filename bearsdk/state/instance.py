@@ -85,7 +85,7 @@ class StalenessRules:
     overlay: bool = True
     fast_forward_after_s: float | None = attrs.field(default=0.01, validator=_optional_age)
     fallback_after_s: float = attrs.field(default=2.0, validator=_age)
-    refresh_s: float = attrs.field(default=0.02, validator=_age)
+    refresh_s: float = attrs.field(default=0.05, validator=_age)
     overlay_grace_s: float = attrs.field(default=0.05, validator=_age)
     overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
 
