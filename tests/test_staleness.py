@@ -355,23 +355,31 @@ def test_stale_snapshot_is_fast_forwarded() -> None:
     assert e.ttft_s == pytest.approx(want, rel=1e-6, abs=1e-8)
 
 
-def test_a_fast_forwarded_view_is_reused_exactly_while_its_batch_runs() -> None:
-    # The view is rebuilt once the batch in flight in it ends, not every
-    # refresh_s; in between, its estimates are those of a view built then.
+def _forwarded_view(refresh_s: float) -> tuple[InstanceState, Clock, Any, float, Any, float]:
+    """A state whose snapshot is 10 engine steps old, its first fast-forwarded
+    view built: (state, clock, snapshot, capture time, view, view's batch left)."""
     core, t0 = running_engine(5)
     clock = Clock(t0)
-    st = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.0)
+    st = make_state(clock, fast_forward_after_s=0.01, refresh_s=refresh_s)
     snap = snapshot_from_dict(core.snapshot(instance="x", seq=1, time=t0, output_len=True))
     st.cache.offer(snap, received=t0)
     for _ in range(10):
         clock.t += step(core)
     clock.t += 1e-4
-    first = st.ttft(700, 10)
+    st.ttft(700, 10)
     view = st._view
     assert view is not None
     inflight = view.snapshot.inflight_remaining_s
     assert inflight is not None
     assert inflight > 2e-4
+    return st, clock, snap, t0, view, inflight
+
+
+def test_a_fast_forwarded_view_is_reused_exactly_while_its_batch_runs() -> None:
+    # With refresh_s = 0 the view is rebuilt once the batch in flight in it
+    # ends; in between, its estimates are those of a view built then.
+    st, clock, snap, t0, view, inflight = _forwarded_view(0.0)
+    first = st.ttft(700, 10)
     t1 = clock.t
     for frac in (0.3, 0.9):
         clock.t = t1 + inflight * frac
@@ -390,19 +398,7 @@ def test_a_fast_forwarded_view_is_kept_past_its_batch_exactly() -> None:
     # Within refresh_s the view outlives its batch in flight: an estimate replays
     # it on to the decision (the new request arriving that much later), which is
     # what a view rebuilt at the decision gives.
-    core, t0 = running_engine(5)
-    clock = Clock(t0)
-    st = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.2)
-    snap = snapshot_from_dict(core.snapshot(instance="x", seq=1, time=t0, output_len=True))
-    st.cache.offer(snap, received=t0)
-    for _ in range(10):
-        clock.t += step(core)
-    clock.t += 1e-4
-    st.ttft(700, 10)
-    view = st._view
-    assert view is not None
-    inflight = view.snapshot.inflight_remaining_s
-    assert inflight is not None
+    st, clock, snap, t0, view, inflight = _forwarded_view(0.2)
     t1 = clock.t
     for later in (inflight * 1.5, inflight * 4.3, 0.05, 0.19):
         clock.t = t1 + later
