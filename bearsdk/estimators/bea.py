@@ -302,9 +302,9 @@ class BEAEstimator:
                 snapshot: the replay runs the snapshot's requests on until then
                 (it joins the waiting queue before the first batch scheduled at
                 or after it), so one prepared snapshot answers for later
-                arrivals exactly; ``ttft_s`` counts from the arrival. Within the
-                batch in flight this is that batch's remaining time less the
-                arrival.
+                arrivals exactly; ``ttft_s`` counts from the arrival, batch
+                indices and records from the snapshot. Within the batch in
+                flight this is that batch's remaining time less the arrival.
 
         Returns:
             The estimate.
