@@ -1504,11 +1504,10 @@ cdef class Replayer:
         q.key_off = 0
         q.key_cap = nk
         q.nkeys = nk
-        # It joins the end of the waiting queue now, or when it arrives.
+        # It joins the end of the waiting queue when it arrives (at the loop's
+        # first turn when that is now).
         st.arrival = arrival
-        st.pending_new = arrival > 0.0
-        if not st.pending_new:
-            wq_push_back(st, st.new_slot)
+        st.pending_new = True
         if pr.has_inflight:
             b0 = ring_new(st)
             b0.carried = True

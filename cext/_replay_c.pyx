@@ -1888,11 +1888,10 @@ cdef class Replayer:
         q.ro_pos = -1
         q.last_sched = NEVER_SCHEDULED
         q.in_batch = -1
-        # It joins the end of the waiting queue now, or when it arrives.
+        # It joins the end of the waiting queue when it arrives (at the loop's
+        # first turn when that is now).
         st.arrival = arrival
-        st.pending_new = arrival > 0.0
-        if not st.pending_new:
-            wq_push_back(st, st.new_slot)
+        st.pending_new = True
         if (self.code // 2) % 2 and pr.has_inflight:
             b0 = ring_new(st)
             b0.vt = -1

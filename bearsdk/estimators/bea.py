@@ -371,13 +371,10 @@ class BEAEstimator:
         """
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
-        arrival = (
-            arrival_s if arrival_s == 0.0 and type(arrival_s) is float else _arrival(arrival_s)
-        )
+        arrival = _arrival(arrival_s)
         h = _replay_horizon(horizon_s, prepared, arrival)
         inflight = prepared.snapshot.inflight_remaining_s or 0.0
-        late = inflight - arrival  # the answer is the replay's time plus this
-        start = -late if late < 0.0 else 0.0  # its arrival in the replay's time
+        start = max(arrival - inflight, 0.0)  # its arrival in the replay's time
         coeffs = self._coeffs
         if horizon_s != math.inf:
             if prefix_keys is None and prepared.ahead[0] > 0.0:
