@@ -28,7 +28,7 @@ import statistics
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -191,8 +191,7 @@ class RouterCore:
         explore: Exploration | None = DEFAULT_EXPLORATION,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
-        if not configs:
-            raise ConfigError("pool: needs at least one instance")
+        # An empty pool is valid: instances may all come at run time (add, discovery).
         if resident_lengths not in ("predicted", "calibrated"):
             raise ConfigError(
                 f"resident_lengths must be 'predicted' or 'calibrated' (got {resident_lengths!r})"
@@ -379,6 +378,7 @@ class RouterCore:
         max_tokens: int | None = None,
         request_id: str | None = None,
         exclude: frozenset[str] = frozenset(),
+        instances: Collection[str] | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -389,6 +389,8 @@ class RouterCore:
             max_tokens: The request's output cap.
             request_id: Id to record (default: a fresh one).
             exclude: Instances not to consider.
+            instances: Consider only these instances (default: the whole pool);
+                a gateway's routing group or model.
 
         Returns:
             The decision, with every candidate's predictions.
@@ -412,7 +414,10 @@ class RouterCore:
         slots = [
             s
             for s in self._slots.values()
-            if not s.draining and s.name not in exclude and s.breaker.routable(now)
+            if not s.draining
+            and s.name not in exclude
+            and (instances is None or s.name in instances)
+            and s.breaker.routable(now)
         ]
         if not slots:
             raise NoInstanceError(

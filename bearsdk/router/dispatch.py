@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -70,6 +70,9 @@ class Dispatcher:
         ttft_target: float | None,
         stream: bool,
         timeout_s: float | None = None,
+        *,
+        instances: Collection[str] | None = None,
+        decision: Decision | None = None,
     ) -> ChatStream | ChatResponse:
         if self.session is None:
             raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
@@ -89,9 +92,13 @@ class Dispatcher:
         except TypeError as exc:  # caught here, not once per instance tried
             raise RequestError(f"the request's parameters are not JSON: {exc}") from None
         text = prompt_text(prompt)
-        decision = core.decide(
-            prompt, ttft_target=ttft_target, max_tokens=max_tokens or max_completion
-        )
+        if decision is None:
+            decision = core.decide(
+                prompt,
+                ttft_target=ttft_target,
+                max_tokens=max_tokens or max_completion,
+                instances=instances,
+            )
         caller_usage = bool((options or {}).get("include_usage"))
         body["stream"] = stream
         if stream:

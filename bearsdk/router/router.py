@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -60,6 +60,7 @@ from bearsdk.state.speed import SpeedTracker
 
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
+    from bearsdk.io.base import SourceStats
 
 __all__ = [
     "AsyncRouter",
@@ -80,7 +81,8 @@ class AsyncRouter(Runs):
 
     Args:
         pool: Instances (:class:`~bearsdk.router.InstanceConfig` values), or the
-            path of a TOML pool file.
+            path of a TOML pool file; empty when every instance is added at run
+            time (:meth:`add_instance`, a gateway's DNS discovery).
         selector: The selector (default :class:`~bearsdk.selectors.BEAR`);
             ``policy=`` is its old name (deprecated).
         predictor: Accuracy / length / cost predictor covering every instance's
@@ -313,6 +315,10 @@ class AsyncRouter(Runs):
         """Route to ``name`` again."""
         self.core.drain(name, False)
 
+    def source_stats(self, name: str) -> SourceStats | None:
+        """Counters of ``name``'s snapshot source (``None`` while it is not running)."""
+        return self._runtime.source_stats(name)
+
     def remove_instance(self, name: str) -> None:
         """Remove ``name`` from the pool: no new requests, its source stops.
 
@@ -363,6 +369,7 @@ class AsyncRouter(Runs):
         max_tokens: int | None = None,
         request_id: str | None = None,
         exclude: frozenset[str] = frozenset(),
+        instances: Collection[str] | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -374,6 +381,7 @@ class AsyncRouter(Runs):
             max_tokens=max_tokens,
             request_id=request_id,
             exclude=exclude,
+            instances=instances,
         )
 
     async def route(
@@ -396,6 +404,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatStream: ...
 
@@ -407,6 +417,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatResponse: ...
 
@@ -418,6 +430,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatStream | ChatResponse: ...
 
@@ -428,6 +442,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
+        instances: Collection[str] | None = None,
+        decision: Decision | None = None,
         **params: Any,
     ) -> ChatStream | ChatResponse:
         """Route a chat request and send it (``/v1/chat/completions``).
@@ -442,6 +458,12 @@ class AsyncRouter(Runs):
                 starts moves on to the next-best instance (the abandoned
                 connection is closed, so the engine aborts its copy); after,
                 it is a :class:`DispatchError`.
+            instances: Route only among these instances (default: the whole
+                pool): a model's instances, or a gateway's routing group.
+            decision: Send as this decision says, made earlier by
+                :meth:`decide` for this request (a gateway that admits on the
+                prediction decides first); ``ttft_target``, ``instances`` and
+                the output cap are then the decision's.
             **params: Other OpenAI parameters (``max_tokens``, ``temperature``,
                 ``stop``...), passed through; ``model`` is set per instance.
 
@@ -459,7 +481,14 @@ class AsyncRouter(Runs):
         body = dict(params)
         body["messages"] = list(given)
         return await self._dispatch.send(
-            "/v1/chat/completions", messages, body, ttft_target, stream, timeout_s
+            "/v1/chat/completions",
+            messages,
+            body,
+            ttft_target,
+            stream,
+            timeout_s,
+            instances=instances,
+            decision=decision,
         )
 
     @overload
@@ -470,6 +499,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatStream: ...
 
@@ -481,6 +512,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatResponse: ...
 
@@ -492,6 +525,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
+        instances: Collection[str] | None = ...,
+        decision: Decision | None = ...,
         **params: Any,
     ) -> ChatStream | ChatResponse: ...
 
@@ -502,6 +537,8 @@ class AsyncRouter(Runs):
         ttft_target: float | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
+        instances: Collection[str] | None = None,
+        decision: Decision | None = None,
         **params: Any,
     ) -> ChatStream | ChatResponse:
         """Route a completion request and send it (``/v1/completions``); as :meth:`chat`."""
@@ -510,7 +547,14 @@ class AsyncRouter(Runs):
         body = dict(params)
         body["prompt"] = prompt
         return await self._dispatch.send(
-            "/v1/completions", prompt, body, ttft_target, stream, timeout_s
+            "/v1/completions",
+            prompt,
+            body,
+            ttft_target,
+            stream,
+            timeout_s,
+            instances=instances,
+            decision=decision,
         )
 
     def _fallback_order(self, d: Decision) -> list[str]:

@@ -25,6 +25,7 @@ from bearsdk.router.sources import SourceContext, get_snapshot_source
 
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
+    from bearsdk.io.base import SnapshotSource, SourceStats
 
 __all__ = ["InstanceRuntime"]
 
@@ -47,6 +48,7 @@ class InstanceRuntime:
     session: aiohttp.ClientSession | None = None
     _scopes: dict[str, anyio.CancelScope] = attrs.field(factory=dict)
     _online: dict[str, OnlineBatchTime] = attrs.field(factory=dict)
+    _sources: dict[str, SnapshotSource] = attrs.field(factory=dict)
 
     async def run_instance(
         self, slot: InstanceSlot, *, task_status: anyio.abc.TaskStatus[None]
@@ -62,6 +64,7 @@ class InstanceRuntime:
         )
         with anyio.CancelScope() as scope:
             self._scopes[slot.name] = scope
+            self._sources[slot.name] = source
             try:
                 if not self.calibrate:
                     await source.run(slot.cache, task_status=task_status)
@@ -73,6 +76,13 @@ class InstanceRuntime:
             finally:
                 if self._scopes.get(slot.name) is scope:
                     del self._scopes[slot.name]
+                if self._sources.get(slot.name) is source:
+                    del self._sources[slot.name]
+
+    def source_stats(self, name: str) -> SourceStats | None:
+        """Counters of ``name``'s snapshot source while it runs."""
+        source = self._sources.get(name)
+        return None if source is None else source.stats()
 
     def stop(self, name: str) -> None:
         """Stop ``name``'s tasks (it left the pool)."""

@@ -1,0 +1,627 @@
+"""The gateway's HTTP face: OpenAI's endpoints over an :class:`~bearsdk.AsyncRouter`.
+
+One request's path: authenticate (``Authorization: Bearer``), read the body
+within its size and time caps, check it strictly, resolve ``model`` to a group
+or a served model, take the key's budgets (model allowed, requests and tokens
+per minute, concurrency), decide and admit (:mod:`bearsdk.gateway.admission`),
+then send through the router and pass the answer back: a JSON body, or the
+engine's SSE chunks one by one. Nothing reaches an engine before every check
+passed. Errors have OpenAI's JSON shape and status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+import orjson
+from aiohttp import web
+
+from bearsdk.gateway.admission import Admission, Refused
+from bearsdk.gateway.bodies import BadRequest, Kind, ParsedRequest, parse_request
+from bearsdk.gateway.config import GatewayConfig, GroupConfig, ttft_target_s
+from bearsdk.gateway.keys import Denied, KeyRing, KeySpec
+from bearsdk.router import (
+    AsyncRouter,
+    BreakerState,
+    ChatStream,
+    Decision,
+    DispatchError,
+    EngineRequestError,
+    NoInstanceError,
+    RequestError,
+)
+from bearsdk.router.errors import short
+
+if TYPE_CHECKING:
+    from bearsdk.gateway.metrics import GatewayMetrics
+
+__all__ = ["GATEWAY", "Gateway", "build_app"]
+
+access_log = logging.getLogger("bearsdk.gateway.access")
+log = logging.getLogger("bearsdk.gateway")
+
+# Characters per token for the token budget's estimate before the engine's
+# usage corrects it (the predictors' own rule of thumb for English text).
+_CHARS_PER_TOKEN = 4.0
+# Output tokens charged to the token budget when a request gives no cap.
+_DEFAULT_OUTPUT_TOKENS = 256
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+@attrs.define
+class _Record:
+    decision: Decision
+    key: str | None
+    model: str
+    ttft_s: float = math.nan
+    outcome: str = "pending"
+
+
+@attrs.define
+class Gateway:
+    """The state behind one gateway process: router, keys, admission, history.
+
+    Args:
+        router: A started router.
+        config: The decoded configuration.
+        metrics: Prometheus metrics (``None``: not installed).
+        registry: Their ``prometheus_client`` registry (served on ``/metrics``).
+    """
+
+    router: AsyncRouter
+    config: GatewayConfig
+    metrics: GatewayMetrics | None = None
+    registry: Any = None
+    keys: KeyRing = attrs.field(init=False)
+    admission: Admission = attrs.field(init=False)
+    draining: bool = attrs.field(default=False, init=False)
+    _history: OrderedDict[str, _Record] = attrs.field(factory=OrderedDict, init=False)
+    _members: dict[str, frozenset[str]] = attrs.field(factory=dict, init=False)
+    _pool_seen: list[str] = attrs.field(factory=list, init=False)
+    _in_flight: int = attrs.field(default=0, init=False)
+    _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    _streams: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.keys = KeyRing(self.config.keys)
+        self.admission = Admission(self.config.admission, on_outcome=self._on_admission)
+        self._idle.set()
+        self.router.hooks.on_first_token.append(self._on_first_token)
+        self.router.hooks.on_complete.append(self._on_complete)
+
+    # -------------------------------------------------------------- state
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Take a reloaded configuration's keys, groups and admission rule.
+
+        The pool itself is changed by the server (instances added, drained).
+
+        Raises:
+            ConfigError: The reload would leave no key where there were keys
+                (nothing changes).
+        """
+        # Keys first: it is the one step that can refuse (switching authentication
+        # off by a reload), and then nothing else may have changed.
+        self.keys.replace(config.keys)
+        if config.router != self.config.router:
+            from bearsdk.selectors import make_selector
+
+            self.router.selector = make_selector(
+                config.router.selector, **dict(config.router.selector_params)
+            )
+        self.config = config
+        self.admission.config = config.admission
+        self._members.clear()
+        self._pool_seen = []
+
+    def members(self, model: str) -> frozenset[str] | None:
+        """Instances a request naming ``model`` may go to (``None``: unknown name)."""
+        pool = self.router.instances
+        if pool != self._pool_seen:
+            self._members.clear()
+            self._pool_seen = pool
+        got = self._members.get(model)
+        if got is not None:
+            return got
+        configs = [self.router.instance_config(n) for n in pool]
+        group = self.config.group(model)
+        if group is None:
+            group = GroupConfig(name=model, models=(model,))
+        found = group.members(configs)
+        if not found and self.config.group(model) is None:
+            return None
+        self._members[model] = found
+        return found
+
+    def served_models(self) -> list[str]:
+        """Group names, then every model an instance serves."""
+        pool = [self.router.instance_config(n) for n in self.router.instances]
+        names = [g.name for g in self.config.groups]
+        names += sorted({c.model for c in pool} - set(names))
+        return names
+
+    def record(self, d: Decision, key: KeySpec | None, model: str) -> None:
+        """Keep ``d`` for ``GET /bear/decisions/{id}`` (bounded, oldest out)."""
+        limit = self.config.server.decision_history
+        if limit <= 0:
+            return
+        self._history[d.request_id] = _Record(d, None if key is None else key.name, model)
+        while len(self._history) > limit:
+            self._history.popitem(last=False)
+
+    def decision(self, request_id: str) -> _Record | None:
+        """A kept decision."""
+        return self._history.get(request_id)
+
+    def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
+        rec = self._history.get(d.request_id)
+        if rec is not None:
+            rec.ttft_s = observed
+        m = self.metrics
+        if m is not None:
+            labels = (rec.model if rec is not None else "", _model_of(d, instance))
+            m.ttft.labels(*labels).observe(observed)
+            if observed > d.ttft_target_s:
+                m.slo_violations.labels(*labels).inc()
+
+    def _on_complete(self, d: Decision, instance: str, outcome: str) -> None:
+        rec = self._history.get(d.request_id)
+        if rec is not None:
+            rec.outcome = outcome
+
+    def _on_admission(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.admission.labels(outcome).inc()
+            self.metrics.queue_depth.set(self.admission.held)
+
+    # -------------------------------------------------------------- drain
+
+    def enter(self) -> None:
+        """A request started."""
+        self._in_flight += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        if self.metrics is not None:
+            self.metrics.in_flight.set(self._in_flight)
+
+    def leave(self) -> None:
+        """A request ended."""
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+        if self.metrics is not None:
+            self.metrics.in_flight.set(self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being served."""
+        return self._in_flight
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests; wait up to ``grace_s`` for those in flight.
+
+        Streams still running then are ended with an in-band error event.
+
+        Returns:
+            How many requests had to be cut.
+        """
+        self.draining = True
+        with anyio.move_on_after(grace_s):
+            await self._idle.wait()
+        cut = len(self._streams)
+        for scope in list(self._streams):
+            scope.cancel()
+        with anyio.move_on_after(5.0):
+            await self._idle.wait()
+        return cut
+
+
+def _model_of(d: Decision, instance: str) -> str:
+    return next((c.model for c in d.candidates if c.instance == instance), "")
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def _denied(exc: Denied) -> web.Response:
+    headers = None if exc.retry_after_s is None else _retry_after(exc.retry_after_s)
+    return error_response(exc.status, exc.message, exc.kind, exc.code, headers=headers)
+
+
+async def _read_json(request: web.Request, gw: Gateway) -> Any:
+    limit = gw.config.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    with anyio.fail_after(gw.config.server.body_timeout_s):
+        raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(None, f"the body is not JSON: {exc}") from None
+
+
+@attrs.define
+class _Access:
+    """What one request's access-log line says, filled in as the request goes."""
+
+    started: float
+    key: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    instance: str | None = None
+    decision: str | None = None
+
+
+async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    info = _Access(time.perf_counter())
+    resp: web.StreamResponse | None = None
+    try:
+        resp = await _handle(request, kind, gw, info)
+        return resp
+    finally:
+        if gw.config.server.access_log:
+            _access(request, info, resp)
+
+
+async def _handle(
+    request: web.Request, kind: Kind, gw: Gateway, info: _Access
+) -> web.StreamResponse:
+    if gw.draining:
+        return error_response(503, "the gateway is shutting down", "server_error", "draining")
+    try:
+        key = gw.keys.authenticate(request.headers.get("Authorization"))
+    except Denied as exc:
+        return _denied(exc)
+    try:
+        body = await _read_json(request, gw)
+        req = parse_request(
+            kind, body, request.headers, max_timeout_s=gw.config.router.max_timeout_s
+        )
+    except web.HTTPRequestEntityTooLarge:
+        limit = gw.config.server.max_body_bytes
+        return error_response(
+            413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large"
+        )
+    except TimeoutError:
+        return error_response(
+            408, "the body did not arrive in time", "invalid_request_error", "body_timeout"
+        )
+    except BadRequest as exc:
+        return error_response(400, str(exc), "invalid_request_error", "invalid_value", exc.param)
+    model = req.model or gw.config.default_model
+    info.key = None if key is None else key.name
+    info.model = model
+    info.stream = req.stream
+    members = gw.members(model)
+    if members is None:
+        return error_response(
+            404,
+            f"the model {short(model)} does not exist (GET /v1/models lists them)",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+    try:
+        lease = gw.keys.admit(key, model, _token_estimate(req))
+    except Denied as exc:
+        _count_error(gw, model, exc.code)
+        return _denied(exc)
+    gw.enter()
+    try:
+        return await _serve(request, gw, req, key, model, members, lease, info)
+    finally:
+        gw.leave()
+
+
+def _token_estimate(req: ParsedRequest) -> int:
+    out = req.max_tokens or _DEFAULT_OUTPUT_TOKENS
+    return math.ceil(req.prompt_chars() / _CHARS_PER_TOKEN) + out
+
+
+def _count_error(gw: Gateway, model: str, code: str) -> None:
+    if gw.metrics is not None:
+        gw.metrics.errors.labels(model, code).inc()
+
+
+async def _serve(
+    request: web.Request,
+    gw: Gateway,
+    req: ParsedRequest,
+    key: KeySpec | None,
+    model: str,
+    members: frozenset[str],
+    lease: Any,
+    info: _Access,
+) -> web.StreamResponse:
+    started = info.started
+    used: int | None = None
+    try:
+        target = req.ttft_target_s if req.ttft_target_s is not None else ttft_target_s(gw.config)
+        try:
+            d = await gw.admission.admit(
+                gw.router.decide,
+                req.prompt,
+                ttft_target=target,
+                max_tokens=req.max_tokens,
+                instances=members,
+            )
+        except Refused as exc:
+            _count_error(gw, model, exc.code)
+            return error_response(
+                429, str(exc), "rate_limit_error", exc.code, headers=_retry_after(exc.retry_after_s)
+            )
+        gw.record(d, key, model)
+        info.decision = d.request_id
+        if gw.metrics is not None:
+            labels = (model, d.chosen.model)
+            gw.metrics.prediction_duration.labels(*labels).observe(d.decide_s)
+            if math.isfinite(d.chosen.ttft_s):
+                gw.metrics.predicted_ttft.labels(*labels).observe(d.chosen.ttft_s)
+        send = gw.router.chat if req.kind == "chat" else gw.router.completions
+        try:
+            result = await send(
+                req.prompt,
+                stream=req.stream,
+                timeout_s=req.timeout_s,
+                decision=d,
+                **req.params,
+            )
+        except NoInstanceError as exc:
+            _count_error(gw, model, "no_instance")
+            return error_response(503, str(exc), "server_error", "no_instance")
+        except EngineRequestError as exc:
+            _count_error(gw, model, f"engine_{exc.status}")
+            return web.Response(status=exc.status, body=exc.body, content_type="application/json")
+        except DispatchError as exc:
+            _count_error(gw, model, "dispatch_failed")
+            return error_response(502, str(exc), "server_error", "dispatch_failed")
+        except RequestError as exc:
+            _count_error(gw, model, "invalid_value")
+            return error_response(400, str(exc), "invalid_request_error", "invalid_value")
+        headers = {"x-bear-instance": result.instance, "x-bear-decision": d.request_id}
+        info.instance = result.instance
+        if not isinstance(result, ChatStream):
+            usage = result.get("usage")
+            used = _total_tokens(usage)
+            _done(gw, model, d, result.instance, 200, started)
+            return web.Response(
+                body=orjson.dumps(result), content_type="application/json", headers=headers
+            )
+        resp = await _stream(request, gw, result, headers)
+        used = _total_tokens(result.usage)
+        _done(gw, model, d, result.instance, resp.status, started)
+        return resp
+    finally:
+        lease.release(used)
+
+
+def _total_tokens(usage: object) -> int | None:
+    if isinstance(usage, Mapping):
+        total = usage.get("total_tokens")
+        if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+            return total
+    return None
+
+
+async def _stream(
+    request: web.Request, gw: Gateway, result: ChatStream, headers: dict[str, str]
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+    )
+    cut = False
+    async with result:  # leaving early (client gone, drain) aborts the request at the engine
+        await resp.prepare(request)
+        with anyio.CancelScope() as scope:
+            gw._streams.add(scope)
+            try:
+                async for event in result.raw():
+                    await resp.write(event)
+            except DispatchError as exc:
+                # The engine dropped the stream after it started: tell the client in-band.
+                await resp.write(_sse_error(str(exc), "dispatch_failed"))
+            finally:
+                gw._streams.discard(scope)
+        cut = scope.cancelled_caught
+    if cut:
+        await resp.write(_sse_error("the gateway is shutting down", "draining"))
+    await resp.write_eof()
+    return resp
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + orjson.dumps(err) + b"\n\n"
+
+
+def _done(gw: Gateway, model: str, d: Decision, instance: str, status: int, started: float) -> None:
+    m = gw.metrics
+    if m is not None:
+        target = _model_of(d, instance)
+        m.requests.labels(model, target, str(status)).inc()
+        m.duration.labels(model, target).observe(time.perf_counter() - started)
+
+
+def _access(request: web.Request, info: _Access, resp: web.StreamResponse | None) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    line = {
+        "ts": round(time.time(), 3),
+        "method": request.method,
+        "path": request.path,
+        # No response: the handler was cancelled (client gone, shutdown); 499 as nginx says it.
+        "status": 499 if resp is None else resp.status,
+        "remote": request.remote,
+        "key": info.key,
+        "model": info.model,
+        "stream": info.stream,
+        "instance": info.instance,
+        "decision": info.decision,
+        "ms": round((time.perf_counter() - info.started) * 1e3, 3),
+    }
+    access_log.info(_dumps(line))
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _complete(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _complete(request, "completions")
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: groups and served models, those the key may use."""
+    gw = request.app[GATEWAY]
+    try:
+        key = gw.keys.authenticate(request.headers.get("Authorization"))
+    except Denied as exc:
+        return _denied(exc)
+    names = gw.served_models()
+    if key is not None and key.models:
+        names = [n for n in names if n in key.models]
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "bearsdk"} for n in names]
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def decision(request: web.Request) -> web.Response:
+    """``GET /bear/decisions/{id}``: why a request went where it went."""
+    gw = request.app[GATEWAY]
+    try:
+        key = gw.keys.authenticate(request.headers.get("Authorization"))
+    except Denied as exc:
+        return _denied(exc)
+    rid = request.match_info["id"]
+    rec = gw.decision(rid)
+    # Another key's decisions are not found rather than forbidden: ids are not secrets,
+    # but whose traffic went where is.
+    if rec is None or (key is not None and rec.key != key.name):
+        return error_response(
+            404, f"no decision {short(rid)} is kept", "invalid_request_error", "decision_not_found"
+        )
+    d = rec.decision
+    body = {
+        "id": d.request_id,
+        "model": rec.model,
+        "selector": d.selector,
+        "instance": d.instance,
+        "reason": d.reason,
+        "ttft_target_s": d.ttft_target_s,
+        "observed_ttft_s": None if math.isnan(rec.ttft_s) else rec.ttft_s,
+        "outcome": rec.outcome,
+        "decide_s": d.decide_s,
+        "explored": d.explored,
+        "candidates": [_finite(attrs.asdict(c)) for c in d.candidates],
+        "explain": d.explain(),
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def _finite(doc: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN or infinity: an unknown estimate is null.
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in doc.items()
+    }
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: the process answers."""
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: 200 once every instance has a first snapshot or is marked down."""
+    gw = request.app[GATEWAY]
+    router = gw.router
+    waiting = []
+    for name in router.instances:
+        if router.cache(name).entry is not None:
+            continue
+        if router.breaker_state(name) is not BreakerState.CLOSED:
+            continue
+        stats = router.source_stats(name)
+        if stats is not None and stats.failures > 0:
+            continue  # tried and failed: down, not pending
+        waiting.append(name)
+    if gw.draining:
+        return web.Response(status=503, text="draining\n")
+    if waiting:
+        return web.Response(status=503, text=f"waiting for snapshots: {', '.join(waiting)}\n")
+    return web.Response(text="ready\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text (with the ``metrics`` extra)."""
+    registry = request.app[GATEWAY].registry
+    if registry is None:
+        return web.Response(status=404, text="install bearsdk[metrics] for /metrics\n")
+    import prometheus_client
+
+    return web.Response(
+        body=prometheus_client.generate_latest(registry),
+        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
+    )
+
+
+def build_app(router: AsyncRouter, config: GatewayConfig) -> web.Application:
+    """The gateway's aiohttp application around a started router."""
+    registry = None
+    gm = None
+    try:
+        import prometheus_client
+
+        from bearsdk.gateway.metrics import GatewayMetrics
+        from bearsdk.router import PrometheusMetrics
+
+        registry = prometheus_client.CollectorRegistry()
+        PrometheusMetrics(registry).attach(router)
+        gm = GatewayMetrics(registry)
+    except ImportError:
+        pass
+    app = web.Application(client_max_size=config.server.max_body_bytes)
+    app[GATEWAY] = Gateway(router, config, metrics=gm, registry=registry)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/bear/decisions/{id}", decision)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
