@@ -525,3 +525,50 @@ async def test_access_log_names_the_key_never_the_secret(
     assert refused["key"] is None
     assert KEY not in caplog.text
     assert "wrong-key" not in caplog.text
+
+
+async def test_a_client_that_leaves_mid_stream_frees_everything(tmp_path: Path) -> None:
+    async with served(tmp_path, keys=False) as (url, gw, engines):
+        body = {"model": "Qwen/Qwen3-8B", "messages": MSGS, "max_tokens": 4000, "stream": True,
+                "bear": {"ttft_ms": 60000}}  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(url + "/v1/chat/completions", json=body)
+            assert r.status == 200
+            await r.content.readline()
+            rid = r.headers["x-bear-decision"]
+            r.close()  # the client goes away mid-stream
+        with anyio.fail_after(30):
+            while gw.in_flight:  # noqa: ASYNC110  (no event to wait on)
+                await anyio.sleep(0.01)
+        rec = gw.decision(rid)
+        assert rec is not None
+        assert rec.outcome == "cancelled"
+        assert all(gw.router.inflight(n) == 0 for n in gw.router.instances)
+        # The engine stopped generating for it.
+        big = next(e for e in engines if e.model_name == "Qwen/Qwen3-8B")
+        with anyio.fail_after(30):
+            while big.num_running:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+
+
+async def test_gateways_share_dispatches_over_redis(tmp_path: Path, redis_url: str) -> None:
+    # What --workers N runs: N gateways, one Redis bus; each sees the others' sends.
+    cluster = f'[cluster]\nredis_url = "{redis_url}"\n'
+    async with EnginePool.of("qwen3-8b-h100") as pool:
+        a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+        a_dir.mkdir()
+        b_dir.mkdir()
+        async with (
+            gateway(a_dir, pool, cluster, keys=False, signals=False) as (url_a, _),
+            gateway(b_dir, pool, cluster, keys=False, signals=False) as (_, gw_b),
+        ):
+            cl_b = gw_b.router.cluster
+            assert cl_b is not None
+            overlay = cl_b.overlay
+            assert overlay is not None
+            body = {"model": "auto", "messages": MSGS, "max_tokens": 2, "bear": {"ttft_ms": 60000}}
+            status, _, _ = await call(url_a, body, None)
+            assert status == 200
+            with anyio.fail_after(30):
+                while overlay.stats().applied + overlay.stats().shown == 0:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)

@@ -439,23 +439,28 @@ async def _stream(
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
-    cut = False
-    async with result:  # leaving early (client gone, drain) aborts the request at the engine
-        await resp.prepare(request)
-        with anyio.CancelScope() as scope:
-            gw._streams.add(scope)
-            try:
-                async for event in result.raw():
-                    await resp.write(event)
-            except DispatchError as exc:
-                # The engine dropped the stream after it started: tell the client in-band.
-                await resp.write(_sse_error(str(exc), "dispatch_failed"))
-            finally:
-                gw._streams.discard(scope)
-        cut = scope.cancelled_caught
-    if cut:
-        await resp.write(_sse_error("the gateway is shutting down", "draining"))
-    await resp.write_eof()
+    tail: bytes | None = None
+    try:
+        async with result:  # leaving early (client gone, drain) aborts the request at the engine
+            await resp.prepare(request)
+            with anyio.CancelScope() as scope:
+                gw._streams.add(scope)
+                try:
+                    async for event in result.raw():
+                        await resp.write(event)
+                except DispatchError as exc:
+                    # The engine dropped the stream after it started: tell the client in-band.
+                    tail = _sse_error(str(exc), "dispatch_failed")
+                finally:
+                    gw._streams.discard(scope)
+            if scope.cancelled_caught:
+                tail = _sse_error("the gateway is shutting down", "draining")
+        if tail is not None:
+            await resp.write(tail)
+        await resp.write_eof()
+    except ConnectionError:
+        # The client went away; leaving the stream above aborted the engine's copy.
+        pass
     return resp
 
 
@@ -594,6 +599,11 @@ async def metrics(request: web.Request) -> web.Response:
         return web.Response(status=404, text="install bearsdk[metrics] for /metrics\n")
     import prometheus_client
 
+    gw = request.app[GATEWAY]
+    if gw.metrics is not None:
+        # Read at scrape time: the key ring holds the counts, not a second copy here.
+        for name, use in gw.keys.usage().items():
+            gw.metrics.key_in_flight.labels(name).set(use["in_flight"])
     return web.Response(
         body=prometheus_client.generate_latest(registry),
         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
