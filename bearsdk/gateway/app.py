@@ -52,6 +52,9 @@ log = logging.getLogger("bearsdk.gateway")
 _CHARS_PER_TOKEN = 4.0
 # Output tokens charged to the token budget when a request gives no cap.
 _DEFAULT_OUTPUT_TOKENS = 256
+# Candidates kept in the decision history at most, whatever decision_history says
+# (a few hundred bytes each: 200,000 is about 80 MB).
+_MAX_KEPT_CANDIDATES = 200_000
 
 
 def _dumps(obj: Any) -> str:
@@ -101,6 +104,7 @@ class Gateway:
     admission: Admission = attrs.field(init=False)
     draining: bool = attrs.field(default=False, init=False)
     _history: OrderedDict[str, _Record] = attrs.field(factory=OrderedDict, init=False)
+    _history_candidates: int = attrs.field(default=0, init=False)
     _members: dict[str, frozenset[str]] = attrs.field(factory=dict, init=False)
     _pool_seen: list[str] = attrs.field(factory=list, init=False)
     _in_flight: int = attrs.field(default=0, init=False)
@@ -170,9 +174,15 @@ class Gateway:
         limit = self.config.server.decision_history
         if limit <= 0:
             return
+        old = self._history.pop(d.request_id, None)
+        if old is not None:
+            self._history_candidates -= len(old.decision.candidates)
         self._history[d.request_id] = _Record(d, None if key is None else key.name, model)
-        while len(self._history) > limit:
-            self._history.popitem(last=False)
+        self._history_candidates += len(d.candidates)
+        # Bounded in memory too: a decision over a large pool holds hundreds of candidates.
+        while len(self._history) > limit or self._history_candidates > _MAX_KEPT_CANDIDATES:
+            _, gone = self._history.popitem(last=False)
+            self._history_candidates -= len(gone.decision.candidates)
 
     def decision(self, request_id: str) -> _Record | None:
         """A kept decision."""
