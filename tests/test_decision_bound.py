@@ -153,3 +153,43 @@ def test_a_lower_bound_teaches_the_overhead_nothing() -> None:
     core.first_token(s, d, 0.5)
     assert core.ttft_error(d.instance)[2] == 0
     assert core.overhead(d.instance) == 0.0
+
+
+def test_a_target_below_the_overhead_still_decides() -> None:
+    # The overhead (learned from first tokens) exceeds what is left of the target:
+    # the horizon handed to the replay would be negative. The decision stands, with a
+    # lower bound past the target, instead of raising.
+    from bearsdk.router.config import InstanceConfig
+    from bearsdk.router.core import RouterCore
+    from bearsdk.snapshot import snapshot_from_dict
+
+    now = [100.0]
+    cfg = InstanceConfig(
+        name="a", url="http://127.0.0.1:9", model="Qwen/Qwen3-8B", profile="qwen3-8b-h100"
+    )
+    core = RouterCore([cfg], clock=lambda: now[0])
+    running = [
+        {"id": f"r{i}", "state": "running", "prompt_tokens": 100, "computed_tokens": 101,
+         "output_tokens": 2}
+        for i in range(2)
+    ]  # fmt: skip
+    core.cache("a").offer(
+        snapshot_from_dict(
+            {
+                "schema": "bear.snapshot/1",
+                "instance": "a",
+                "seq": 1,
+                "time": 100.0,
+                "kv": {"block_size": 16, "num_blocks": 4000, "free_blocks": 3000},
+                "requests": running,
+            }
+        )
+    )
+    slot = core.slot("a")
+    slot.overhead_s = 0.05
+    slot.overhead_at = now[0]
+    d = core.decide("hello", ttft_target=0.001)
+    assert d.instance == "a"
+    assert d.chosen.estimator == "bea"
+    assert d.chosen.ttft_lower_bound
+    assert d.chosen.ttft_s > 0.05

@@ -76,6 +76,8 @@ from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
 _MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
+# The shortest horizon a replay is asked for: past it, the first batch is a lower bound.
+_MIN_HORIZON_S = 1e-9
 
 DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0), min_factor=1.0)
 """The speed tracker's settings each instance copies by default (its base is the instance's).
@@ -517,7 +519,10 @@ class RouterCore:
                 est = self._estimator(s, kind)
             if horizon != math.inf and getattr(est, "horizon_aware", False):
                 ov = _overhead(s, now)
-                lat = est.estimate(ptok, out, max_tokens, now, horizon - ov)  # type: ignore[call-arg]
+                # A target already eaten by the overhead (a tiny one, or a held request's
+                # near its deadline) still gets an estimate: the first batch, a lower bound.
+                left = max(horizon - ov, _MIN_HORIZON_S)
+                lat = est.estimate(ptok, out, max_tokens, now, left)  # type: ignore[call-arg]
                 overhead = ov if lat.replayed else 0.0
             else:
                 lat = est.estimate(ptok, out, max_tokens, now)
