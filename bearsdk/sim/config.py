@@ -54,6 +54,11 @@
     lam = [5e-4]
     delta = [1.0]                   # the lagrangian policy's
     staleness_ms = [0]
+    admission = ["best-effort"]     # best-effort | reject | queue: what the router does with
+                                    # a request no instance is predicted to serve on time
+                                    # (the gateway's [admission] modes; oracles ignore it)
+    queue_size = 1024               # admission = "queue": most requests held at once
+    max_wait_ms = 0                 # longest a request is held (0: its TTFT target)
     policies = ["bear", "score"]    # default: every policy
     figures = [1, 8]                # default: inferred from the axes
 
@@ -72,6 +77,7 @@ from typing import Any, Final
 import attrs
 
 from bearsdk.errors import BearError
+from bearsdk.gateway.config import ADMISSION_MODES
 from bearsdk.sim.run import (
     ORACLE,
     ORACLE_LATENCY,
@@ -149,8 +155,16 @@ class SweepSpec:
     lam: tuple[float, ...] = (5e-4,)
     delta: tuple[float, ...] = (1.0,)
     staleness_ms: tuple[float, ...] = (0.0,)
+    admission: tuple[str, ...] = ("best-effort",)
+    queue_size: int = 1024
+    max_wait_ms: float = 0.0
     policies: tuple[str, ...] = ()
     figures: tuple[int, ...] = ()
+
+    @property
+    def admission_axis(self) -> bool:
+        """Its runs report admission: it varies the mode, or sets one other than the default."""
+        return self.admission != ("best-effort",)
 
     def inferred_figures(self) -> tuple[int, ...]:
         """The paper's figures this sweep feeds (explicit, else from its axes)."""
@@ -158,8 +172,15 @@ class SweepSpec:
             return self.figures
         figs: list[int] = []
         steady = "poisson" in self.arrivals or "trace" in self.arrivals
-        # A sweep over another axis plots that axis, whatever its rates.
-        other = len(self.delta) > 1 or len(self.staleness_ms) > 1 or len(self.lam) > 1
+        # A sweep over another axis plots that axis, whatever its rates. Admission
+        # modes have no figure: their table is the summary's (a rate figure would
+        # draw the modes of a policy as one line).
+        other = (
+            len(self.delta) > 1
+            or len(self.staleness_ms) > 1
+            or len(self.lam) > 1
+            or len(self.admission) > 1
+        )
         if len(self.rates) > 1 and steady and not other:
             figs += [1, 4, 8, 16, 18]
         if len(self.delta) > 1:
@@ -221,8 +242,8 @@ class SimConfig:
         for sw in self.sweeps:
             wanted = set(sw.policies) if sw.policies else None
             pols = [p for p in self.policies if wanted is None or p.name in wanted]
-            for seed, rate, arr, lam, st, pol in itertools.product(
-                self.seeds, sw.rates, sw.arrivals, sw.lam, sw.staleness_ms, pols
+            for seed, rate, arr, lam, st, adm, pol in itertools.product(
+                self.seeds, sw.rates, sw.arrivals, sw.lam, sw.staleness_ms, sw.admission, pols
             ):
                 deltas: Sequence[float | None] = sw.delta if pol.name == "lagrangian" else [None]
                 for d in deltas:
@@ -239,6 +260,9 @@ class SimConfig:
                             router_staleness=self.router_staleness,
                             resident_lengths=self.resident_lengths,
                             speed=self.speed,
+                            admission=adm,
+                            queue_size=sw.queue_size,
+                            max_wait_ms=sw.max_wait_ms,
                         )
                     )
         return out
@@ -525,6 +549,16 @@ def _sweeps(raw: object, policies: Sequence[PolicySpec]) -> tuple[SweepSpec, ...
                 f"{sec}.policies must list configured policies ({', '.join(sorted(names))}) "
                 f"(got {pols!r})"
             )
+        admission = d.get("admission", ["best-effort"])
+        if not isinstance(admission, list) or not admission:
+            raise SimConfigError(f"{sec}.admission must be a non-empty list (got {admission!r})")
+        for a in admission:
+            if a not in ADMISSION_MODES:
+                raise SimConfigError(
+                    f"{sec}.admission: {a!r} must be one of {', '.join(ADMISSION_MODES)}"
+                )
+        if len(set(admission)) != len(admission):
+            raise SimConfigError(f"{sec}.admission lists a mode twice (got {admission!r})")
         figs = d.get("figures", [])
         if not isinstance(figs, list) or any(f not in FIGURES for f in figs):
             raise SimConfigError(
@@ -538,6 +572,9 @@ def _sweeps(raw: object, policies: Sequence[PolicySpec]) -> tuple[SweepSpec, ...
                 lam=_numbers(sec, d, "lam", (5e-4,), 0.0, False),
                 delta=_numbers(sec, d, "delta", (1.0,), 0.0, False),
                 staleness_ms=_numbers(sec, d, "staleness_ms", (0.0,), 0.0, False),
+                admission=tuple(admission),
+                queue_size=_int(sec, d, "queue_size", 1024, 1),
+                max_wait_ms=_number(sec, "max_wait_ms", d.get("max_wait_ms", 0.0), 0.0),
                 policies=tuple(pols),
                 figures=tuple(figs),
             )

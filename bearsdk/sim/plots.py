@@ -143,18 +143,21 @@ def _lines(
 
 def _base(results: Sequence[RunResult]) -> list[RunResult]:
     """Zero staleness, the lambda nearest the paper's, Poisson arrivals (else the
-    sweep's first arrival process)."""
+    sweep's first arrival process), admission ``best-effort`` (else the sweep's first mode)."""
     if not results:
         return []
     lam = sorted({r.scenario.lam for r in results}, key=lambda v: abs(v - 5e-4))[0]
     kinds = [r.scenario.arrivals for r in results]
     arrivals = "poisson" if "poisson" in kinds else kinds[0]
+    modes = [r.scenario.admission for r in results]
+    admission = "best-effort" if "best-effort" in modes else modes[0]
     return [
         r
         for r in results
         if r.scenario.staleness_s == 0.0
         and r.scenario.lam == lam
         and r.scenario.arrivals == arrivals
+        and r.scenario.admission == admission
         and (r.scenario.policy.name != "lagrangian" or r.scenario.delta == 1.0)
     ]
 

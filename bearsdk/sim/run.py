@@ -10,7 +10,11 @@ times) with one policy. Router policies go through the real router,
   cache is offered the latest snapshot published at least ``staleness`` before
   (``SnapshotCache.offer(snapshot, received=published + staleness)``);
 * ``router.decide`` picks the instance, ``record_dispatch`` follows, and the
-  request joins that engine's waiting queue with its true length there.
+  request joins that engine's waiting queue with its true length there;
+* with an admission mode (:attr:`Scenario.admission`), a request no instance
+  is predicted to serve on time is refused or held as the gateway would
+  (:mod:`bearsdk.sim.admission`): held requests are decided again at each later
+  arrival, before it.
 
 Predictions (accuracy, output length, cost) come from the predictor computed
 once per request and replayed through a stand-in with the predictor's interface
@@ -42,6 +46,7 @@ from bearsdk.router.core import DEFAULT_SPEED, RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.schedulers import Policy
 from bearsdk.selectors import make_selector
+from bearsdk.sim.admission import SEND, SimAdmission
 from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
 from bearsdk.state import StalenessRules
 
@@ -240,6 +245,12 @@ class Scenario:
             or ``"calibrated"``).
         speed: ``"learned"``: the router learns each instance's speed from its
             snapshots; ``"profile"``: it keeps the coefficients as they are.
+        admission: What happens to a request no instance is predicted to serve
+            on time: one of :data:`~bearsdk.gateway.config.ADMISSION_MODES`, as
+            the gateway applies it (:mod:`bearsdk.sim.admission`; the oracles
+            ignore it).
+        queue_size: Most requests held at once (``admission = "queue"``).
+        max_wait_ms: Longest a request is held, milliseconds (``0``: its target).
     """
 
     policy: PolicySpec
@@ -253,25 +264,36 @@ class Scenario:
     router_staleness: StalenessRules = attrs.field(factory=StalenessRules)
     resident_lengths: str = "predicted"
     speed: str = "learned"
+    admission: str = "best-effort"
+    queue_size: int = 1024
+    max_wait_ms: float = 0.0
 
 
 @attrs.frozen
 class RunResult:
     """What one run measured.
 
+    Requests refused by admission control (:attr:`rejected` and
+    :attr:`expired`) have no first token: they count as not on time, with
+    utility 0, in every mean over requests; TTFTs are over served requests.
+
     Attributes:
         scenario: The run.
-        n: Requests routed.
-        on_time_utility: Eq. 6: mean true utility, 0 for requests past their target.
+        n: Requests that arrived.
+        on_time_utility: Eq. 6: mean true utility, 0 for requests past their
+            target (or refused).
         slo_attainment: Share of requests whose TTFT met the target.
-        mean_utility: Mean true utility (targets ignored).
-        mean_ttft_s: Mean TTFT.
-        p90_ttft_s: 90th percentile TTFT.
+        mean_utility: Mean true utility (targets ignored; 0 for a refused request).
+        mean_ttft_s: Mean TTFT of the served requests (from arrival: a held
+            request's wait counts).
+        p90_ttft_s: 90th percentile TTFT of the served requests.
         composition: Per instance: ``{"routed", "met", "missed"}`` counts.
         ttft_mape: MAPE of the policy's TTFT prediction for the chosen instance
-            (``nan`` when it predicts none), overall and by estimator used.
+            (``nan`` when it predicts none), overall and by estimator used; a
+            held request's prediction and TTFT both count from its dispatch.
         wall_s: Wall time of the run.
-        decide_us: Mean wall time of a routing decision, microseconds.
+        decide_us: Mean wall time of a routing decision, microseconds (a held
+            request's rechecks are decisions too).
         batches: Batches the engines ran.
         samples: Per-request ``(instance index, predicted TTFT, true TTFT,
             target)`` for up to 4000 requests (plots; not in JSON).
@@ -283,6 +305,18 @@ class RunResult:
         timeline: With speed changes in the pool: per window of
             :data:`TIMELINE_WINDOW_S` of arrivals, its start, requests, on-time
             share, and the router's learned factor per instance at its end.
+        goodput_rps: On-time goodput: requests whose first token met their
+            target, divided by the arrival span (last arrival minus first,
+            seconds; ``None`` for a single request). Refused requests are not
+            on time.
+        rejected: Requests refused at arrival (admission ``reject``, or
+            ``queue`` with the queue full): the gateway's immediate 429s.
+        queued: Requests held in the admission queue at least once.
+        expired: Held requests that reached their deadline unsent (429 after waiting).
+        reject_decide_us_max: Wall time of the routing decision that rejected
+            a request, microseconds, the most over :attr:`rejected` requests
+            (``None`` if none): what an immediate 429 costs the gateway.
+        reject_decide_us_p99: Its 99th percentile.
     """
 
     scenario: Scenario
@@ -301,10 +335,42 @@ class RunResult:
     diagnosis: dict[str, dict[str, float]] = attrs.field(factory=dict)
     speed: dict[str, dict[str, float]] = attrs.field(factory=dict)
     timeline: tuple[dict[str, Any], ...] = ()
+    # None, not NaN, where there is nothing to measure: attrs compares fields with
+    # ==, and a NaN would make a result unequal to itself.
+    goodput_rps: float | None = None
+    rejected: int = 0
+    queued: int = 0
+    expired: int = 0
+    reject_decide_us_max: float | None = None
+    reject_decide_us_p99: float | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        """The JSON form (without samples)."""
+    def as_dict(self, *, admission: bool | None = None) -> dict[str, Any]:
+        """The JSON form (without samples).
+
+        Args:
+            admission: Include the admission fields (``admission``,
+                ``queue_size``, ``max_wait_ms``, ``goodput_rps``, ``rejected``,
+                ``queued``, ``expired``, ``reject_decide_us_max``,
+                ``reject_decide_us_p99``); default: when the scenario's
+                admission is not ``best-effort`` (a sweep over admission
+                modes passes ``True`` for every run).
+        """
         s = self.scenario
+        if admission is None:
+            admission = s.admission != "best-effort"
+        extra: dict[str, Any] = {}
+        if admission:
+            extra = {
+                "admission": s.admission,
+                "queue_size": s.queue_size,
+                "max_wait_ms": s.max_wait_ms,
+                "goodput_rps": self.goodput_rps,
+                "rejected": self.rejected,
+                "queued": self.queued,
+                "expired": self.expired,
+                "reject_decide_us_max": self.reject_decide_us_max,
+                "reject_decide_us_p99": self.reject_decide_us_p99,
+            }
         return {
             "sweep": s.sweep,
             "policy": s.policy.display,
@@ -329,6 +395,7 @@ class RunResult:
             "batches": self.batches,
             "decide_us": self.decide_us,
             "wall_s": self.wall_s,
+            **extra,
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
             **({"speed": self.speed} if self.speed else {}),
             **({"timeline": list(self.timeline)} if self.timeline else {}),
@@ -503,10 +570,13 @@ def run_scenario(
     first = np.full(n, np.nan)
     chosen = np.full(n, -1, dtype=np.int64)
     predicted = np.full(n, np.nan)
+    # When each request reached its engine: its arrival, or later if admission held it.
+    sent = np.array(times, dtype=np.float64, copy=True)
     estimator: list[str] = [""] * n
     decisions: list[Decision | None] = [None] * n
     done_out = requests.true_output  # what each request produces where it runs
     decide_s = 0.0
+    decided = 0
 
     oracle = scenario.policy.name in (ORACLE, ORACLE_LATENCY)
     changes = any(spec.speed_changes for spec in instances)
@@ -517,6 +587,14 @@ def run_scenario(
     clock = [0.0]
     # Predictions were computed once for every policy: the core reads them from a table.
     feed = StagedPredictor(requests.models)
+    # The oracles decide outside the router: admission (the router's rule) is not theirs.
+    adm = (
+        SimAdmission(scenario.admission, scenario.queue_size, scenario.max_wait_ms / 1000.0)
+        if not oracle and scenario.admission != "best-effort"
+        else None
+    )
+    # Snapshots for the rechecks after the last arrival, planned with the others.
+    tail = adm.tail(times, requests.targets_s) if adm is not None else []
     if not oracle:
         configs = [_instance_config(s, router_params[j]) for j, s in enumerate(instances)]
         router = RouterCore(
@@ -532,7 +610,7 @@ def run_scenario(
         )
         delay = scenario.staleness_s
         for e in engines:
-            e.plan_captures((times - delay).tolist())
+            e.plan_captures([*(times - delay).tolist(), *(t - delay for t in tail)])
     caches = [router.cache(nm) for nm in names] if router is not None else []
     sources = [_simulated_source(c) for c in configs] if router is not None else []
     offered = [-1] * len(engines)
@@ -564,7 +642,52 @@ def run_scenario(
                     d = decisions[i]
                     assert d is not None
                     clock[0] = t
-                    router.record_first_token(d, names[j], t - float(times[i]))
+                    # From dispatch, as the gateway's router measures it: a held
+                    # request's wait is no part of the engine's first-token time.
+                    router.record_first_token(d, names[j], t - float(sent[i]))
+
+    def refresh(capture: int, now: float) -> None:
+        """Offer each cache what its engine published and has reached the router by ``now``."""
+        assert router is not None
+        for j, e in enumerate(engines):
+            snap = e.captured(capture)
+            if snap.seq != offered[j]:
+                offered[j] = snap.seq
+                # The engines' first (empty) snapshots, published at 0, arrive late too.
+                got = sources[j].deliver(snap, snap.time + scenario.staleness_s)
+                if got is not None:
+                    in_flight[j].append((got[1], got[0]))
+            _offer_due(caches[j], in_flight[j], now)
+        clock[0] = now
+
+    def record(k: int, d: Decision) -> int:
+        """Record request ``k``'s dispatch by ``d`` with the router; the instance's index."""
+        assert router is not None
+        router.record_dispatch(d)
+        decisions[k] = d
+        # A lower bound past the selector's horizon is no estimate: out of the MAPE.
+        predicted[k] = math.nan if d.chosen.ttft_lower_bound else d.chosen.ttft_s
+        estimator[k] = d.chosen.estimator
+        return names.index(d.instance)
+
+    def start(k: int, j: int, now: float) -> None:
+        chosen[k] = j
+        sent[k] = now
+        engines[j].add_request(
+            rids[k], int(requests.prompt_tokens[k]), int(requests.true_output[k, j]), now
+        )
+
+    def decide_held(k: int, left: float) -> Decision:
+        assert router is not None
+        feed.stage(requests.prediction(k))
+        return router.decide(requests.texts[k], ttft_target=left, request_id=rids[k])
+
+    def recheck(now: float) -> None:
+        nonlocal decide_s, decided
+        assert adm is not None
+        t1 = time.perf_counter()
+        decided += adm.recheck(now, decide_held, lambda k, d: start(k, record(k, d), now))
+        decide_s += time.perf_counter() - t1
 
     for i in range(n):
         a = float(times[i])
@@ -572,39 +695,45 @@ def run_scenario(
             e.advance(a)
         deliver(a)
         t0 = time.perf_counter()
+        best = -1
+        d: Decision | None
         if router is None:
             best = _oracle_choice(engines, requests, judged, i, a)
+            d = None
         else:
-            for j, e in enumerate(engines):
-                snap = e.captured(i)
-                if snap.seq != offered[j]:
-                    offered[j] = snap.seq
-                    # The engines' first (empty) snapshots, published at 0, arrive late too.
-                    got = sources[j].deliver(snap, snap.time + scenario.staleness_s)
-                    if got is not None:
-                        in_flight[j].append((got[1], got[0]))
-                _offer_due(caches[j], in_flight[j], a)
-            clock[0] = a
+            refresh(i, a)
+            if adm is not None and adm.held:
+                decide_s += time.perf_counter() - t0
+                recheck(a)
+                t0 = time.perf_counter()
+            t1 = time.perf_counter()
             feed.stage(requests.prediction(i))
             d = router.decide(
                 requests.texts[i], ttft_target=float(requests.targets_s[i]), request_id=rids[i]
             )
-            router.record_dispatch(d)
-            decisions[i] = d
+            verdict = SEND if adm is None else adm.admit(i, a, d, time.perf_counter() - t1)
+            if verdict == SEND:
+                best = record(i, d)
             if trace is not None and a >= trace_next:
                 trace_next = a + 1.0
                 trace.append((a, _factors(router, names)))
-            best = names.index(d.instance)
-            # A lower bound past the selector's horizon is no estimate: out of the MAPE.
-            predicted[i] = math.nan if d.chosen.ttft_lower_bound else d.chosen.ttft_s
-            estimator[i] = d.chosen.estimator
+        decided += 1
         decide_s += time.perf_counter() - t0
-        if diag is not None and router is not None:
-            diag.observe(engines, requests, i, a, decisions[i])
-        chosen[i] = best
-        engines[best].add_request(
-            rids[i], int(requests.prompt_tokens[i]), int(requests.true_output[i, best]), a
-        )
+        if diag is not None and d is not None:
+            diag.observe(engines, requests, i, a, d)
+        if best >= 0:
+            start(i, best, a)
+    if adm is not None:
+        # No arrivals left to recheck at: the tail grid, until the queue is empty.
+        for k, t in enumerate(tail):
+            if not adm.held:
+                break
+            for e in engines:
+                e.advance(t)
+            deliver(t)
+            refresh(n + k, t)
+            recheck(t)
+        assert not adm.held, "the tail outlasts every deadline"
     for e in engines:
         e.drain()
     deliver(math.inf)
@@ -618,8 +747,11 @@ def run_scenario(
         predicted,
         estimator,
         utility,
+        sent=sent,
+        admission=adm,
         wall_s=time.perf_counter() - t_wall,
         decide_s=decide_s,
+        decided=decided,
         batches=sum(e.batches for e in engines),
     )
     if diag is not None:
@@ -781,15 +913,23 @@ def _measure(
     estimator: Sequence[str],
     utility: npt.NDArray[np.float64],
     *,
+    sent: npt.NDArray[np.float64] | None = None,
+    admission: SimAdmission | None = None,
     wall_s: float,
     decide_s: float,
+    decided: int | None = None,
     batches: int,
 ) -> RunResult:
     n = len(times)
     idx = np.arange(n)
+    if sent is None:
+        sent = times
+    # A refused request (chosen -1) has no first token and no utility: -1 must not
+    # index the last instance's column (numpy would), nor NaN compare as anything.
+    served = chosen >= 0
     ttft = first - times
-    met = ttft <= requests.targets_s
-    u = utility[idx, chosen]
+    met = served & (np.where(served, ttft, np.inf) <= requests.targets_s)
+    u = np.where(served, utility[idx, np.maximum(chosen, 0)], 0.0)
     comp: dict[str, dict[str, int]] = {}
     for j, nm in enumerate(names):
         mine = chosen == j
@@ -799,9 +939,11 @@ def _measure(
             "missed": int((mine & ~met).sum()),
         }
     mape: dict[str, float] = {}
-    ok = np.isfinite(predicted) & (ttft > 0)
+    # Both from dispatch: a held request's prediction was made when it was sent.
+    service = first - sent
+    ok = served & np.isfinite(predicted) & (service > 0)
     if ok.any():
-        err = np.abs(predicted[ok] - ttft[ok]) / ttft[ok]
+        err = np.abs(predicted[ok] - service[ok]) / service[ok]
         mape["all"] = float(err.mean())
         est = np.array(estimator, dtype=object)[ok]
         for name in sorted(set(est.tolist())):
@@ -809,22 +951,37 @@ def _measure(
     else:
         mape["all"] = math.nan
     step = max(1, n // _SAMPLES)
+    wait = sent - times
     samples = tuple(
-        (int(chosen[i]), float(predicted[i]), float(ttft[i]), float(requests.targets_s[i]))
+        (
+            int(chosen[i]),
+            float(predicted[i] + wait[i]),
+            float(ttft[i]),
+            float(requests.targets_s[i]),
+        )
         for i in range(0, n, step)
     )
+    span = float(times[-1] - times[0]) if n > 1 else 0.0
+    got = ttft[served]
+    rej = admission.reject_decide_us() if admission is not None else None
     return RunResult(
         scenario=scenario,
         n=n,
         on_time_utility=float(np.where(met, u, 0.0).mean()),
         slo_attainment=float(met.mean()),
         mean_utility=float(u.mean()),
-        mean_ttft_s=float(ttft.mean()),
-        p90_ttft_s=float(np.quantile(ttft, 0.9)),
+        mean_ttft_s=float(got.mean()) if got.size else math.nan,
+        p90_ttft_s=float(np.quantile(got, 0.9)) if got.size else math.nan,
         composition=comp,
         ttft_mape=mape,
         wall_s=wall_s,
-        decide_us=decide_s / max(n, 1) * 1e6,
+        decide_us=decide_s / max(n if decided is None else decided, 1) * 1e6,
         batches=batches,
         samples=samples,
+        goodput_rps=int(met.sum()) / span if span > 0 else None,
+        rejected=admission.rejected if admission is not None else 0,
+        queued=admission.queued if admission is not None else 0,
+        expired=admission.expired if admission is not None else 0,
+        reject_decide_us_max=rej[0] if rej is not None else None,
+        reject_decide_us_p99=rej[1] if rej is not None else None,
     )

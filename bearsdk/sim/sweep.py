@@ -4,8 +4,9 @@ Inputs (the workload's requests with their truth and predictions) are built once
 per seed in the calling process; the runs are spread over worker processes.
 Each run depends on its scenario and its seed's inputs alone, so results are
 the same whatever the number of workers. Runs that differ only in settings a
-policy ignores (the oracle and staleness, policies other than the Lagrangian
-and ``delta``, a sweep's name) are run once.
+policy ignores (the oracle and staleness or admission, policies other than the
+Lagrangian and ``delta``, admission modes other than ``queue`` and the queue's
+settings, a sweep's name) are run once.
 """
 
 from __future__ import annotations
@@ -95,7 +96,12 @@ class SimReport:
     calibrations: tuple[Calibration, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON form: ``{"results": [...], "summary": {...}, ...}``."""
+        """The JSON form: ``{"results": [...], "summary": {...}, ...}``.
+
+        Runs of a sweep with an admission axis carry the admission fields
+        (:meth:`RunResult.as_dict`); other runs only when their mode is not ``best-effort``.
+        """
+        axis = {sw.name for sw in self.config.sweeps if sw.admission_axis}
         return {
             "config": self.config.name,
             "requests_per_run": self.config.requests,
@@ -112,7 +118,7 @@ class SimReport:
                 }
                 for c in self.calibrations
             ],
-            "results": [r.as_dict() for r in self.results],
+            "results": [r.as_dict(admission=r.scenario.sweep in axis) for r in self.results],
             "summary": summarize(self.results),
             "prepare_s": self.prepare_s,
             "wall_s": self.wall_s,
@@ -276,9 +282,15 @@ def _run_one(task: tuple[int, Scenario]) -> tuple[int, RunResult]:
 def _canonical(sc: Scenario) -> Scenario:
     """The scenario with what its policy ignores normalised (dedupes runs)."""
     out = attrs.evolve(sc, sweep="")
+    if sc.admission != "queue" or sc.policy.name in _ORACLES:
+        out = attrs.evolve(out, queue_size=1024, max_wait_ms=0.0)
     if sc.policy.name in _ORACLES:
         out = attrs.evolve(
-            out, staleness_s=0.0, router_staleness=StalenessRules.paper(), delta=None
+            out,
+            staleness_s=0.0,
+            router_staleness=StalenessRules.paper(),
+            delta=None,
+            admission="best-effort",
         )
     elif sc.policy.name != "lagrangian":
         out = attrs.evolve(out, delta=None)
@@ -436,10 +448,17 @@ def summarize(results: Sequence[RunResult]) -> dict[str, Any]:
       several rates (the paper's +30.5% figure).
     * ``staleness``: per sweep with several delays, BEAR's OnTimeUtility per
       delay and its loss against zero delay, in percent.
+    * ``admission`` (only with runs whose admission is not ``best-effort``):
+      see :func:`_admission_rows`.
+
+    Gains and staleness losses compare ``best-effort`` runs: the policies as
+    they route, before admission control refuses anything.
     """
     table: dict[tuple[Any, ...], dict[str, list[float]]] = {}
     for r in results:
         s = r.scenario
+        if s.admission != "best-effort":
+            continue
         key = (s.sweep, s.arrivals, s.lam, s.staleness_s, s.rate)
         name = s.policy.name if s.policy.name != "lagrangian" else f"lagrangian:{s.delta}"
         cell = table.setdefault(key, {})
@@ -500,7 +519,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, Any]:
     by_sweep: dict[tuple[Any, ...], dict[float, list[float]]] = {}
     for r in results:
         s = r.scenario
-        if s.policy.name == "bear":
+        if s.policy.name == "bear" and s.admission == "best-effort":
             by_sweep.setdefault((s.sweep, s.arrivals, s.lam, s.rate), {}).setdefault(
                 s.staleness_s, []
             ).append(r.on_time_utility)
@@ -523,7 +542,63 @@ def summarize(results: Sequence[RunResult]) -> dict[str, Any]:
                 },
             }
         )
-    return {"gain": gains, "mean_gain": mean_gain, "staleness": stale}
+    out: dict[str, Any] = {"gain": gains, "mean_gain": mean_gain, "staleness": stale}
+    admission = _admission_rows(results)
+    if admission:
+        out["admission"] = admission
+    return out
+
+
+def _admission_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Per sweep with an admission axis, arrival process, lambda, staleness, rate,
+    policy and admission mode, averaged over seeds: ``on_time_utility``,
+    ``slo_attainment``, ``goodput_rps``, ``goodput_vs_best_effort`` (its ratio to
+    the same cell's ``best-effort`` goodput, when the sweep has one),
+    ``rejected``, ``queued``, ``expired`` (per run), ``mean_ttft_s`` (served
+    requests), and ``reject_decide_us_max`` / ``reject_decide_us_p99`` (the
+    most over seeds: the slowest immediate 429 of any run; ``None`` without one).
+    """
+    sweeps = {r.scenario.sweep for r in results if r.scenario.admission != "best-effort"}
+    cells: dict[tuple[Any, ...], list[RunResult]] = {}
+    for r in results:
+        s = r.scenario
+        if s.sweep in sweeps:
+            cell = (s.sweep, s.arrivals, s.lam, s.staleness_s, s.rate, s.policy.display)
+            cells.setdefault((*cell, s.admission), []).append(r)
+    rows: list[dict[str, Any]] = []
+    for key, rs in cells.items():
+        sweep, arr, lam, st, rate, pol, adm = key
+        base = cells.get((*key[:-1], "best-effort"))
+        good = _mean([r.goodput_rps for r in rs if r.goodput_rps is not None])
+        ref = _mean([r.goodput_rps for r in base or () if r.goodput_rps is not None])
+
+        def worst(vals: Sequence[float | None]) -> float | None:
+            got = [v for v in vals if v is not None]
+            return max(got) if got else None
+
+        rows.append(
+            {
+                "sweep": sweep,
+                "arrivals": arr,
+                "lam": lam,
+                "staleness_ms": round(st * 1000, 6),
+                "rate": rate,
+                "policy": pol,
+                "admission": adm,
+                "seeds": len(rs),
+                "on_time_utility": _mean([r.on_time_utility for r in rs]),
+                "slo_attainment": _mean([r.slo_attainment for r in rs]),
+                "goodput_rps": good,
+                "goodput_vs_best_effort": good / ref if ref > 0 else math.nan,
+                "rejected": _mean([float(r.rejected) for r in rs]),
+                "queued": _mean([float(r.queued) for r in rs]),
+                "expired": _mean([float(r.expired) for r in rs]),
+                "mean_ttft_s": _mean([r.mean_ttft_s for r in rs]),
+                "reject_decide_us_max": worst([r.reject_decide_us_max for r in rs]),
+                "reject_decide_us_p99": worst([r.reject_decide_us_p99 for r in rs]),
+            }
+        )
+    return rows
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -554,4 +629,24 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     for s in summary.get("staleness", []):
         losses = ", ".join(f"{d} ms {v:+.1f}%" for d, v in s["loss_pct"].items())
         lines.append(f"{s['sweep']} (rate {s['rate']:g}): BEAR loss vs zero staleness: {losses}")
+    adm = summary.get("admission", [])
+    if adm:
+        lines.append(
+            f"{'sweep':<10} {'rate':>5} {'policy':<16} {'admission':<11} {'OnTimeUtil':>10} "
+            f"{'SLO':>6} {'goodput/s':>9} {'x BE':>5} {'rejected':>8} {'queued':>7} "
+            f"{'expired':>7} {'TTFT ms':>7} {'429 us max':>10} {'p99':>6}"
+        )
+        for a in adm:
+            lines.append(
+                f"{a['sweep']:<10} {a['rate']:>5g} {a['policy']:<16} {a['admission']:<11} "
+                f"{a['on_time_utility']:>10.4f} {a['slo_attainment']:>6.1%} "
+                f"{a['goodput_rps']:>9.2f} {a['goodput_vs_best_effort']:>5.2f} "
+                f"{a['rejected']:>8.1f} {a['queued']:>7.1f} {a['expired']:>7.1f} "
+                f"{a['mean_ttft_s'] * 1e3:>7.1f} {_us(a['reject_decide_us_max']):>10} "
+                f"{_us(a['reject_decide_us_p99']):>6}"
+            )
     return "\n".join(lines)
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
