@@ -378,6 +378,15 @@ async def test_target_header_sets_the_decisions_target(tmp_path: Path) -> None:
             rec = gw.decision(headers["x-bear-decision"])
             assert rec is not None
             assert rec.decision.ttft_target_s == pytest.approx(want)
+        # A TPOT target is checked and kept with the decision.
+        status, _, headers = await call(
+            url,
+            {"model": "auto", "messages": MSGS, "max_tokens": 2},
+            **{"x-llm-d-slo-tpot-ms": "40"},
+        )
+        rec = gw.decision(headers["x-bear-decision"])
+        assert rec is not None
+        assert rec.tpot_target_s == pytest.approx(0.04)
         # The body's bear object wins over a header.
         status, _, headers = await call(
             url,

@@ -81,6 +81,7 @@ class _Record:
     decision: Decision
     key: str | None
     model: str
+    tpot_target_s: float | None = None
     ttft_s: float = math.nan
     outcome: str = "pending"
 
@@ -169,7 +170,9 @@ class Gateway:
         names += sorted({c.model for c in pool} - set(names))
         return names
 
-    def record(self, d: Decision, key: KeySpec | None, model: str) -> None:
+    def record(
+        self, d: Decision, key: KeySpec | None, model: str, tpot_target_s: float | None = None
+    ) -> None:
         """Keep ``d`` for ``GET /bear/decisions/{id}`` (bounded, oldest out)."""
         limit = self.config.server.decision_history
         if limit <= 0:
@@ -177,7 +180,9 @@ class Gateway:
         old = self._history.pop(d.request_id, None)
         if old is not None:
             self._history_candidates -= len(old.decision.candidates)
-        self._history[d.request_id] = _Record(d, None if key is None else key.name, model)
+        self._history[d.request_id] = _Record(
+            d, None if key is None else key.name, model, tpot_target_s
+        )
         self._history_candidates += len(d.candidates)
         # Bounded in memory too: a decision over a large pool holds hundreds of candidates.
         while len(self._history) > limit or self._history_candidates > _MAX_KEPT_CANDIDATES:
@@ -390,7 +395,7 @@ async def _serve(
             return error_response(
                 429, str(exc), "rate_limit_error", exc.code, headers=_retry_after(exc.retry_after_s)
             )
-        gw.record(d, key, model)
+        gw.record(d, key, model, req.tpot_target_s)
         info.decision = d.request_id
         if gw.metrics is not None:
             labels = (model, d.chosen.model)
@@ -559,6 +564,8 @@ async def decision(request: web.Request) -> web.Response:
         "instance": d.instance,
         "reason": d.reason,
         "ttft_target_s": d.ttft_target_s,
+        # Accepted and kept; routing on it waits for TPOT prediction.
+        "tpot_target_s": rec.tpot_target_s,
         "observed_ttft_s": None if math.isnan(rec.ttft_s) else rec.ttft_s,
         "outcome": rec.outcome,
         "decide_s": d.decide_s,
