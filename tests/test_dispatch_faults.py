@@ -255,6 +255,30 @@ async def test_the_raw_stream_rejects_garbage_too() -> None:
         assert_off_the_books(router)
 
 
+@pytest.mark.parametrize("mode", ["ok", "slow"])
+async def test_raw_chunks_carry_the_raw_events_joined(mode: str) -> None:
+    # A proxy's one write per read: the same bytes as raw(), fewer pieces.
+    async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
+        eng.default, eng.slow_s = mode, 0.01
+        one = [e async for e in (await router.chat(MSG, stream=True, max_tokens=5)).raw()]
+        joined = [c async for c in (await router.chat(MSG, stream=True, max_tokens=5)).raw_chunks()]
+        assert b"".join(joined) == b"".join(one)
+        assert joined[-1].endswith(b"data: [DONE]\n\n")
+        if mode == "ok":  # everything in one read: one chunk
+            assert len(joined) < len(one)
+        assert_off_the_books(router)
+
+
+async def test_raw_chunks_reject_garbage_too() -> None:
+    async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
+        eng.default = "garbage"
+        stream = await router.chat(MSG, stream=True, max_tokens=5)
+        with anyio.fail_after(10), pytest.raises(DispatchError, match="not a JSON object"):
+            async for _ in stream.raw_chunks():
+                pass
+        assert_off_the_books(router)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("mode", ["hang", "hang-after-head", "mid-hang"])
 async def test_a_caller_giving_up_takes_the_request_off_the_books(stream: bool, mode: str) -> None:

@@ -303,3 +303,54 @@ def test_hash_key_prints_the_stored_form() -> None:
     assert spec is not None
     assert spec.name == "k"
     assert orjson.dumps(stored)  # one printable line
+
+
+async def test_pool_reloads_drain_before_adding_and_swap_changed_instances_when_idle() -> None:
+    from bearsdk.gateway.server import _Pool
+    from bearsdk.router import InstanceConfig
+
+    def cfg(name: str, timeout_s: float = 300.0) -> InstanceConfig:
+        return InstanceConfig(
+            name=name, url="http://127.0.0.1:9", model="Qwen/Qwen3-8B", timeout_s=timeout_s
+        )
+
+    class Router:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+            self.busy: set[str] = set()
+
+        async def add_instance(self, c: InstanceConfig) -> None:
+            self.calls.append(("add", f"{c.name}@{c.timeout_s:g}"))
+
+        def drain_instance(self, name: str) -> None:
+            self.calls.append(("drain", name))
+
+        def undrain_instance(self, name: str) -> None:
+            self.calls.append(("undrain", name))
+
+        def remove_instance(self, name: str) -> None:
+            self.calls.append(("remove", name))
+
+        def inflight(self, name: str) -> int:
+            return 1 if name in self.busy else 0
+
+    r = Router()
+    pool = _Pool(r, {"a": cfg("a"), "b": cfg("b")})  # type: ignore[arg-type]
+    r.busy = {"a", "b"}
+    # a removed, b changed, c added: both drains come before the add.
+    await pool.apply({"b": cfg("b", 60.0), "c": cfg("c")})
+    assert r.calls == [("drain", "a"), ("drain", "b"), ("add", "c@300")]
+    r.calls.clear()
+    await pool.reap()
+    assert r.calls == []  # both still busy
+    r.busy = {"a"}
+    await pool.reap()
+    assert r.calls == [("remove", "b"), ("add", "b@60")]
+    r.calls.clear()
+    # a comes back as it runs while still draining: routable again, never removed.
+    await pool.apply({"a": cfg("a"), "b": cfg("b", 60.0), "c": cfg("c")})
+    assert r.calls == [("undrain", "a")]
+    r.busy = set()
+    r.calls.clear()
+    await pool.reap()
+    assert r.calls == []

@@ -87,8 +87,12 @@ def _run(args: argparse.Namespace) -> int:
             "no [[keys]]: anyone who reaches %s can use the pool", cfg.server.host
         )
 
+    from bearsdk.gateway.server import backend_options
+
+    loop = "uvloop" if backend_options(cfg)["use_uvloop"] else "asyncio"
+
     def ready(url: str) -> None:
-        print(f"bearsdk serve: {url} ({cfg.server.workers} worker(s))", flush=True)
+        print(f"bearsdk serve: {url} ({cfg.server.workers} worker(s), {loop})", flush=True)
 
     try:
         status = serve(cfg, ready=ready)

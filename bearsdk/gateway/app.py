@@ -199,10 +199,10 @@ class Gateway:
             rec.ttft_s = observed
         m = self.metrics
         if m is not None:
-            labels = (rec.model if rec is not None else "", _model_of(d, instance))
-            m.ttft.labels(*labels).observe(observed)
+            pair = m.pair(rec.model if rec is not None else "", _model_of(d, instance))
+            pair.ttft.observe(observed)
             if observed > d.ttft_target_s:
-                m.slo_violations.labels(*labels).inc()
+                pair.slo_violations.inc()
 
     def _on_complete(self, d: Decision, instance: str, outcome: str) -> None:
         rec = self._history.get(d.request_id)
@@ -398,10 +398,10 @@ async def _serve(
         gw.record(d, key, model, req.tpot_target_s)
         info.decision = d.request_id
         if gw.metrics is not None:
-            labels = (model, d.chosen.model)
-            gw.metrics.prediction_duration.labels(*labels).observe(d.decide_s)
+            pair = gw.metrics.pair(model, d.chosen.model)
+            pair.prediction_duration.observe(d.decide_s)
             if math.isfinite(d.chosen.ttft_s):
-                gw.metrics.predicted_ttft.labels(*labels).observe(d.chosen.ttft_s)
+                pair.predicted_ttft.observe(d.chosen.ttft_s)
         send = gw.router.chat if req.kind == "chat" else gw.router.completions
         try:
             result = await send(
@@ -461,8 +461,8 @@ async def _stream(
             with anyio.CancelScope() as scope:
                 gw._streams.add(scope)
                 try:
-                    async for event in result.raw():
-                        await resp.write(event)
+                    async for chunk in result.raw_chunks():
+                        await resp.write(chunk)
                 except DispatchError as exc:
                     # The engine dropped the stream after it started: tell the client in-band.
                     tail = _sse_error(str(exc), "dispatch_failed")
@@ -488,8 +488,8 @@ def _done(gw: Gateway, model: str, d: Decision, instance: str, status: int, star
     m = gw.metrics
     if m is not None:
         target = _model_of(d, instance)
-        m.requests.labels(model, target, str(status)).inc()
-        m.duration.labels(model, target).observe(time.perf_counter() - started)
+        m.answered(model, target, str(status)).inc()
+        m.pair(model, target).duration.observe(time.perf_counter() - started)
 
 
 def _access(request: web.Request, info: _Access, resp: web.StreamResponse | None) -> None:

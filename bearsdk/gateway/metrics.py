@@ -32,13 +32,23 @@ name (after ``bearsdk_gateway_``)               type       what
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "ModelMetrics"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _DECIDE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3, 20e-3)
+
+
+class ModelMetrics(NamedTuple):
+    """One (asked model, chosen model) pair's series, resolved once."""
+
+    duration: Any
+    ttft: Any
+    predicted_ttft: Any
+    prediction_duration: Any
+    slo_violations: Any
 
 
 class GatewayMetrics:
@@ -94,3 +104,30 @@ class GatewayMetrics:
         self.key_in_flight = prom.Gauge(
             "key_in_flight", "Requests in flight per API key name", ["key"], **kw
         )
+
+        # labels() costs a lock and a dict lookup per call: each pair's children are
+        # resolved once (the pairs are few: a model or group, and a served model).
+        self._pairs: dict[tuple[str, str], ModelMetrics] = {}
+        self._codes: dict[tuple[str, str, str], Any] = {}
+
+    def pair(self, model: str, target: str) -> ModelMetrics:
+        """The series of requests asking for ``model`` and served by ``target``."""
+        got = self._pairs.get((model, target))
+        if got is None:
+            got = ModelMetrics(
+                self.duration.labels(model, target),
+                self.ttft.labels(model, target),
+                self.predicted_ttft.labels(model, target),
+                self.prediction_duration.labels(model, target),
+                self.slo_violations.labels(model, target),
+            )
+            self._pairs[(model, target)] = got
+        return got
+
+    def answered(self, model: str, target: str, code: str) -> Any:
+        """The request counter of a (model, target, HTTP status) triple."""
+        key = (model, target, code)
+        got = self._codes.get(key)
+        if got is None:
+            got = self._codes[key] = self.requests.labels(model, target, code)
+        return got

@@ -20,6 +20,7 @@ Signals, in every worker:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -83,31 +84,30 @@ def _router(cfg: GatewayConfig) -> AsyncRouter:
 
 @attrs.define
 class _Pool:
-    """The static pool's reloads: drained instances leave, changed ones come back, once idle."""
+    """The static pool across reloads: removed instances drain and leave once idle,
+    changed ones drain and come back with their new settings once idle."""
 
     router: AsyncRouter
-    current: dict[str, InstanceConfig]
+    running: dict[str, InstanceConfig]
+    # Draining instances, each with the configuration it comes back with (None: gone).
     _leaving: dict[str, InstanceConfig | None] = attrs.field(factory=dict)
 
     async def apply(self, new: dict[str, InstanceConfig]) -> None:
-        for name, cfg in new.items():
-            old = self.current.get(name)
-            if old is None and name not in self._leaving:
-                await self.router.add_instance(cfg)
-            elif old is not None and old != cfg:
-                self.router.drain_instance(name)
-                self._leaving[name] = cfg
-            elif name in self._leaving:
-                # Back before it left: the newest config wins when it does.
-                self._leaving[name] = cfg if cfg != old else None
-                if cfg == old:
+        # Drains first, all before the first await: a removed or changed instance
+        # takes no new request while the added ones wait for their sources to start.
+        for name, cfg in self.running.items():
+            want = new.get(name)
+            if want == cfg:
+                if name in self._leaving:  # back as it runs: routable again
                     del self._leaving[name]
                     self.router.undrain_instance(name)
-        for name in self.current:
-            if name not in new:
-                self.router.drain_instance(name)
-                self._leaving[name] = None
-        self.current = dict(new)
+                continue
+            self.router.drain_instance(name)
+            self._leaving[name] = want
+        for name, cfg in new.items():
+            if name not in self.running:
+                self.running[name] = cfg
+                await self.router.add_instance(cfg)
 
     async def reap(self) -> None:
         for name, replacement in list(self._leaving.items()):
@@ -115,7 +115,9 @@ class _Pool:
                 continue
             del self._leaving[name]
             self.router.remove_instance(name)
+            del self.running[name]
             if replacement is not None:
+                self.running[name] = replacement
                 await self.router.add_instance(replacement)
 
 
@@ -256,6 +258,14 @@ def _mtime(path: Path) -> float:
         return -1.0
 
 
+def backend_options(cfg: GatewayConfig) -> dict[str, Any]:
+    """anyio's asyncio options for ``[server] event_loop``."""
+    choice = cfg.server.event_loop
+    if choice == "auto":
+        choice = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return {"use_uvloop": choice == "uvloop"}
+
+
 def _worker(path: str, host: str, port: int, index: int, plugins: str) -> None:
     # A spawned worker: its own interpreter, its own socket on the shared port.
     if plugins:
@@ -267,7 +277,7 @@ def _worker(path: str, host: str, port: int, index: int, plugins: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(message)s")
     cfg = load_gateway_config(path)
     sock = listen(host, port, reuse_port=True)
-    status = anyio.run(run_gateway, cfg, sock)
+    status = anyio.run(run_gateway, cfg, sock, backend_options=backend_options(cfg))
     sys.exit(status)
 
 
@@ -315,7 +325,9 @@ def serve(
                 if p.is_alive():
                     os.kill(p.pid, sig)
 
-        status: int = anyio.run(_serve_here, cfg, sock, ready, forward)
+        status: int = anyio.run(
+            _serve_here, cfg, sock, ready, forward, backend_options=backend_options(cfg)
+        )
     finally:
         for p in procs:
             if p.is_alive():

@@ -142,6 +142,16 @@ class PrometheusMetrics:
         self.failures = prom.Counter(
             "dispatch_failures", "Attempts failed before the response started", ["instance"], **kw
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        # labels() takes a lock and builds a key on every call, a dozen times a
+        # request; the children are few (metrics x instances x outcomes): keep them.
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
 
     def attach(self, router: AsyncRouter) -> PrometheusMetrics:
         """Record ``router``'s decisions and outcomes from now on; returns ``self``."""
@@ -154,31 +164,31 @@ class PrometheusMetrics:
 
     def _on_decision(self, d: Decision) -> None:
         c = d.chosen
-        self.decisions.labels(d.instance, d.selector, c.estimator).inc()
+        self._child(self.decisions, d.instance, d.selector, c.estimator).inc()
         self.decision_seconds.observe(d.decide_s)
         for cand in d.candidates:
             if math.isfinite(cand.snapshot_age_s):
-                self.snapshot_age.labels(cand.instance).set(cand.snapshot_age_s)
-            self.speed_factor.labels(cand.instance).set(cand.speed_factor)
-            self.ttft_overhead.labels(cand.instance).set(cand.overhead_s)
+                self._child(self.snapshot_age, cand.instance).set(cand.snapshot_age_s)
+            self._child(self.speed_factor, cand.instance).set(cand.speed_factor)
+            self._child(self.ttft_overhead, cand.instance).set(cand.overhead_s)
         if c.estimator == "lps":
-            self.fallbacks.labels(d.instance).inc()
+            self._child(self.fallbacks, d.instance).inc()
         if d.explored:
-            self.explorations.labels(d.instance).inc()
+            self._child(self.explorations, d.instance).inc()
 
     def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
-        self.ttft.labels(instance).observe(observed)
-        self.slo.labels(instance, "met" if observed <= d.ttft_target_s else "missed").inc()
+        self._child(self.ttft, instance).observe(observed)
+        self._child(self.slo, instance, "met" if observed <= d.ttft_target_s else "missed").inc()
         pred = next((c.ttft_s for c in d.candidates if c.instance == instance), math.nan)
         if math.isfinite(pred) and observed > 0:
-            self.ttft_error.labels(instance).observe(observed - pred)
-            self.ttft_rel_error.labels(instance).observe(abs(observed - pred) / observed)
+            self._child(self.ttft_error, instance).observe(observed - pred)
+            self._child(self.ttft_rel_error, instance).observe(abs(observed - pred) / observed)
 
     def _on_complete(self, d: Decision, instance: str, outcome: str) -> None:
-        self.requests.labels(instance, outcome).inc()
+        self._child(self.requests, instance, outcome).inc()
 
     def _on_failure(self, d: Decision, instance: str, why: str) -> None:
-        self.failures.labels(instance).inc()
+        self._child(self.failures, instance).inc()
 
 
 class DecisionLog:

@@ -155,6 +155,36 @@ class ChatStream:
             yield b"data: " + data + b"\n\n"
         yield b"data: [DONE]\n\n"
 
+    async def raw_chunks(self) -> AsyncIterator[bytes]:
+        """As :meth:`raw`, with the events that arrived together joined in one chunk.
+
+        A proxy writes each chunk once: one write per read from the engine, not
+        one per event (a stream's last read often holds several, and ``[DONE]``).
+        """
+        while True:
+            event = await self._next_event()
+            if event is None:
+                yield b"data: [DONE]\n\n"
+                return
+            parts: list[bytes] = []
+            self._emit(event, parts)
+            while self._ready:
+                self._emit(self._ready.popleft(), parts)
+            if self._eof:
+                parts.append(b"data: [DONE]\n\n")
+            if parts:
+                yield b"".join(parts)
+            if self._eof:
+                return
+
+    def _emit(self, event: tuple[bytes, dict[str, Any]], parts: list[bytes]) -> None:
+        data, doc = event
+        if self._hidden(doc):
+            return
+        if b"\n" in data:  # a multi-line event: one line for the proxy's clients
+            data = orjson.dumps(doc)
+        parts += (b"data: ", data, b"\n\n")
+
     async def _next_event(self) -> tuple[bytes, dict[str, Any]] | None:
         """The next event, or ``None`` at the end of the stream."""
         while not self._ready:
