@@ -354,3 +354,23 @@ async def test_pool_reloads_drain_before_adding_and_swap_changed_instances_when_
     r.calls.clear()
     await pool.reap()
     assert r.calls == []
+
+
+async def test_a_changed_file_is_reloaded_with_watch_s(tmp_path: Path) -> None:
+    async with EnginePool.of("qwen3-0.6b-h100") as pool:
+        path = tmp_path / "gateway.toml"
+        head = "[server]\nport = 0\naccess_log = false\nwatch_s = 0.05\n" + instance(pool[0])
+        path.write_text(head + key("old", OLD_KEY))
+        cfg = load_gateway_config(path)
+        sock = listen("127.0.0.1", 0)
+        async with anyio.create_task_group() as tg:
+
+            async def go(*, task_status: anyio.abc.TaskStatus[Gateway]) -> None:
+                await run_gateway(cfg, sock, handle_signals=False, task_status=task_status)
+
+            gw = await tg.start(go)
+            assert list(gw.keys.usage()) == ["old"]
+            path.write_text(head + key("new", NEW_KEY))
+            # No signal: the file's change alone reloads it.
+            await until(lambda: list(gw.keys.usage()) == ["new"])
+            tg.cancel_scope.cancel()
