@@ -4,11 +4,18 @@
   embedded router's behaviour).
 * ``reject``: answer 429 at once, with ``Retry-After`` from the predicted drain
   time: how much later than its target the best instance would serve it now.
-* ``queue``: hold it in a bounded router-side queue and decide again every
-  ``recheck_ms`` as snapshots arrive, each time against what is left of its
-  target (the wait counts against the client's TTFT); send it once an instance
-  is predicted on time, give up with a 429 at the deadline (its target, or
-  ``max_wait_ms``). A full queue rejects.
+* ``queue``: hold it in a bounded router-side queue and decide again as
+  snapshots arrive, each time against what is left of its target (the wait
+  counts against the client's TTFT); send it once an instance is predicted on
+  time, give up with a 429 at the deadline (its target, or ``max_wait_ms``). A
+  full queue rejects.
+
+Held requests cost nothing while nothing changes: one ticker per gateway
+(:meth:`Admission.run`) looks every ``recheck_ms`` and decides again only
+when a snapshot arrived since its last look (without new evidence a
+prediction can only get later, as the target left shrinks), oldest first,
+within a quarter of the interval's CPU; the rest wait for the next tick. So a
+full queue of 1,024 requests cannot turn into 100,000 decisions a second.
 
 A selector that ignores targets (``feasible`` is ``None``) admits everything.
 """
@@ -17,12 +24,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
 
 import anyio
+import anyio.abc
 import attrs
 
+from bearsdk.errors import BearError
 from bearsdk.gateway.config import AdmissionConfig
 from bearsdk.router.decision import Decision
 
@@ -68,6 +78,21 @@ def drain_time_s(d: Decision) -> float:
     return min(late) if late else 0.0
 
 
+@attrs.define(eq=False)
+class _Held:
+    """A request in the queue: what to decide it with, and its outcome once known."""
+
+    prompt: Any
+    max_tokens: int | None
+    instances: Collection[str]
+    start: float
+    target: float
+    deadline: float
+    last: Decision
+    done: anyio.Event = attrs.Factory(anyio.Event)
+    result: Decision | Refused | None = None
+
+
 @attrs.define
 class Admission:
     """One gateway's admission control (:mod:`bearsdk.gateway.admission`).
@@ -76,17 +101,23 @@ class Admission:
         config: The ``[admission]`` section.
         clock: Monotonic seconds.
         on_outcome: Called with ``admitted``, ``rejected``, ``queued`` or ``expired``.
+        evidence: A number that changes whenever a snapshot arrives (the sum of
+            the pool's snapshot-cache versions); held requests are decided again
+            only when it moved.
     """
 
     config: AdmissionConfig
     clock: Callable[[], float] = time.monotonic
     on_outcome: Callable[[str], None] = lambda outcome: None
-    _held: int = attrs.field(default=0, init=False)
+    evidence: Callable[[], int] = lambda: 0
+    _queue: deque[_Held] = attrs.field(factory=deque, init=False)
+    _decide: Callable[..., Decision] | None = attrs.field(default=None, init=False)
+    _running: bool = attrs.field(default=False, init=False)
 
     @property
     def held(self) -> int:
         """Requests waiting in the queue now."""
-        return self._held
+        return len(self._queue)
 
     async def admit(
         self,
@@ -121,46 +152,90 @@ class Admission:
         if mode == "best-effort" or on_time(d):
             self.on_outcome("admitted")
             return d
-        if mode == "reject":
+        if mode == "reject" or not self._running:
+            # Without its ticker (not started: a caller outside the gateway) the
+            # queue would never move; refusing at once is the honest answer.
             self.on_outcome("rejected")
             raise _late(d)
-        if self._held >= self.config.queue_size:
+        if len(self._queue) >= self.config.queue_size:
             self.on_outcome("rejected")
             raise Refused(
                 f"the admission queue is full ({self.config.queue_size} requests held)",
                 max(_MIN_RETRY_S, drain_time_s(d)),
                 "queue_full",
             )
-        return await self._wait(decide, prompt, d, max_tokens, instances)
-
-    async def _wait(
-        self,
-        decide: Callable[..., Decision],
-        prompt: Any,
-        d: Decision,
-        max_tokens: int | None,
-        instances: Collection[str],
-    ) -> Decision:
+        self._decide = decide
         start = self.clock()
         target = d.ttft_target_s
         wait = self.config.max_wait_ms / 1e3 if self.config.max_wait_ms > 0 else target
-        deadline = start + min(wait, target)
-        self._held += 1
+        held = _Held(prompt, max_tokens, instances, start, target, start + min(wait, target), d)
+        self._queue.append(held)
         self.on_outcome("queued")
+        try:
+            await held.done.wait()
+        finally:
+            if held.result is None:  # the caller gave up (cancelled) while held
+                self._queue.remove(held)
+        if isinstance(held.result, Refused):
+            raise held.result
+        assert held.result is not None
+        return held.result
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The queue's ticker: runs until cancelled (the gateway's task group starts it)."""
+        self._running = True
+        seen = self.evidence()
+        task_status.started()
         try:
             while True:
                 await anyio.sleep(self.config.recheck_ms / 1e3)
-                now = self.clock()
-                left = target - (now - start)
-                if now >= deadline or left <= 0:
-                    self.on_outcome("expired")
-                    raise _late(d, waited_s=now - start)
-                d = decide(prompt, ttft_target=left, max_tokens=max_tokens, instances=instances)
-                if on_time(d):
-                    self.on_outcome("admitted")
-                    return d
+                if not self._queue:
+                    seen = self.evidence()
+                    continue
+                now_seen = self.evidence()
+                self._tick(fresh=now_seen != seen)
+                seen = now_seen
         finally:
-            self._held -= 1
+            self._running = False
+            # Nothing will move the queue any more: everyone held gets the 429 now.
+            while self._queue:
+                h = self._queue.popleft()
+                h.result = _late(h.last, waited_s=self.clock() - h.start)
+                h.done.set()
+
+    def _tick(self, *, fresh: bool) -> None:
+        """Expire what is past its deadline; with new evidence, decide again, oldest first."""
+        t0 = time.perf_counter()
+        budget_s = self.config.recheck_ms / 1e3 / 4
+        decide = self._decide
+        keep: deque[_Held] = deque()
+        for h in self._queue:
+            now = self.clock()
+            left = h.target - (now - h.start)
+            if now >= h.deadline or left <= 0:
+                self._settle(h, _late(h.last, waited_s=now - h.start), "expired")
+                continue
+            if fresh and decide is not None and time.perf_counter() - t0 <= budget_s:
+                try:
+                    d = decide(
+                        h.prompt, ttft_target=left, max_tokens=h.max_tokens, instances=h.instances
+                    )
+                except BearError:
+                    d = None  # e.g. no routable instance in its group right now: later
+                if d is not None:
+                    h.last = d
+                    if on_time(d):
+                        self._settle(h, d, "admitted")
+                        continue
+            keep.append(h)  # deadlines are still checked for everyone past the budget
+        self._queue = keep
+
+    def _settle(self, h: _Held, result: Decision | Refused, outcome: str) -> None:
+        h.result = result
+        h.done.set()
+        self.on_outcome(outcome)
 
 
 def _late(d: Decision, waited_s: float = 0.0) -> Refused:

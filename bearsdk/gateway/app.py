@@ -114,10 +114,17 @@ class Gateway:
 
     def __attrs_post_init__(self) -> None:
         self.keys = KeyRing(self.config.keys)
-        self.admission = Admission(self.config.admission, on_outcome=self._on_admission)
+        self.admission = Admission(
+            self.config.admission, on_outcome=self._on_admission, evidence=self._evidence
+        )
         self._idle.set()
         self.router.hooks.on_first_token.append(self._on_first_token)
         self.router.hooks.on_complete.append(self._on_complete)
+
+    def _evidence(self) -> int:
+        # Moves whenever any instance's cache accepts a snapshot.
+        r = self.router
+        return sum(r.cache(n).version for n in r.instances)
 
     # -------------------------------------------------------------- state
 

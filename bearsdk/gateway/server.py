@@ -165,6 +165,7 @@ async def run_gateway(
                 # Always running: a reload may add the first DNS source.
                 discovery = DnsDiscovery(router, cfg.dns, resolver=resolver)
                 await tg.start(discovery.run)
+                await tg.start(gw.admission.run)
                 pool = _Pool(router, {c.name: c for c in cfg.instances})
                 stop = anyio.Event()
                 status = [0]
