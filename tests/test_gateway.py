@@ -586,17 +586,17 @@ async def test_gateways_share_dispatches_over_redis(tmp_path: Path, redis_url: s
 def test_decision_history_is_bounded_by_candidates_too(monkeypatch: pytest.MonkeyPatch) -> None:
     import attrs as _attrs
 
-    from bearsdk.gateway import app as gw_app
+    from bearsdk.gateway import state as gw_state
     from bearsdk.router import Candidate, Decision
 
-    monkeypatch.setattr(gw_app, "_MAX_KEPT_CANDIDATES", 10)
+    monkeypatch.setattr(gw_state, "_MAX_KEPT_CANDIDATES", 10)
     cand = Candidate("a", "m", 0.5, 1.0, 0.4, 0.1, True, 0.4, "bea")
     base = Decision("r0", "bear", "a", (cand,) * 4, 0, 1.0, "best", 10, 10, 0.0, 1e-5)
 
     # Only the history's own state: no router behind it.
-    gw = object.__new__(gw_app.Gateway)
+    gw = object.__new__(gw_state.Gateway)
     gw.config = load_gateway_config_text("[server]\ndecision_history = 100\n")
-    gw._history = gw_app.OrderedDict()
+    gw._history = gw_state.OrderedDict()
     gw._history_candidates = 0
     for i in range(5):
         gw.record(_attrs.evolve(base, request_id=f"r{i}"), None, "auto")

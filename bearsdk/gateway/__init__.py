@@ -6,11 +6,15 @@ job each:
 
 * :mod:`~bearsdk.gateway.config`: ``gateway.toml``, decoded strictly;
 * :mod:`~bearsdk.gateway.bodies`: request bodies and target headers;
-* :mod:`~bearsdk.gateway.keys`: API keys (salted hashes), per-key models,
-  request and token budgets, concurrency caps;
+* :mod:`~bearsdk.gateway.keyspec`: API keys (salted hashes), per-key models
+  and limits, decoded strictly;
+* :mod:`~bearsdk.gateway.keys`: the keys at run time: authentication, request
+  and token budgets, concurrency caps;
 * :mod:`~bearsdk.gateway.admission`: best-effort, reject or queue when no
   instance is predicted on time;
-* :mod:`~bearsdk.gateway.discovery`: instances from DNS (A/AAAA or SRV);
+* :mod:`~bearsdk.gateway.dns`: DNS sources (A/AAAA or SRV) and resolvers;
+* :mod:`~bearsdk.gateway.discovery`: instances from DNS, added and drained;
+* :mod:`~bearsdk.gateway.state`: the state behind one gateway process;
 * :mod:`~bearsdk.gateway.app`: the HTTP endpoints;
 * :mod:`~bearsdk.gateway.server`: workers, signals, reloads, drains.
 
@@ -23,10 +27,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bearsdk.gateway.app import Gateway, build_app
+    from bearsdk.gateway.app import build_app
     from bearsdk.gateway.config import GatewayConfig, load_gateway_config
     from bearsdk.gateway.keys import KeyRing, KeySpec, hash_key
     from bearsdk.gateway.server import run_gateway, serve
+    from bearsdk.gateway.state import Gateway
 
 __all__ = [
     "Gateway",
@@ -41,7 +46,7 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Gateway": "app",
+    "Gateway": "state",
     "build_app": "app",
     "GatewayConfig": "config",
     "load_gateway_config": "config",
