@@ -6,12 +6,28 @@ wherever it was given.
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-__all__ = ["count", "fraction", "positive"]
+from bearsdk.errors import short_repr
+
+__all__ = ["count", "fraction", "positive", "unknown_field"]
+
+
+def unknown_field(label: str, key: object, known: Sequence[str]) -> str:
+    """The strict decoders' message for a key they do not know.
+
+    ``LABEL: 'KEY' is not a known field; did you mean 'X'? (known: A, B)``: the
+    key bounded and quoted (it is untrusted), the closest known name if one is
+    close, and the known names in the order given.
+    """
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{label}: {short_repr(key)} is not a known field{hint} (known: {', '.join(known)})"
 
 
 def positive(inst: object, att: attrs.Attribute[Any], value: object) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import difflib
 import importlib
 import ipaddress
 import math
@@ -29,6 +28,7 @@ import anyio
 import anyio.lowlevel
 import attrs
 
+from bearsdk._validators import unknown_field
 from bearsdk.errors import short_repr
 from bearsdk.router.config import ConfigError, InstanceConfig, instance_from_dict
 
@@ -269,12 +269,7 @@ def dns_source_from_dict(d: Mapping[str, Any], where: str = "discovery.dns[0]") 
     label = f"dns source {short_repr(name)}"
     for key in d:
         if key not in _FIELDS:
-            close = difflib.get_close_matches(str(key), _FIELDS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{label}: {short_repr(key)} is not a known field{hint} "
-                f"(known: {', '.join(sorted(_FIELDS))})"
-            )
+            raise ConfigError(unknown_field(label, key, sorted(_FIELDS)))
     for key in ("host", "template"):
         if key not in d:
             raise ConfigError(f"{label}: {key} is required")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import difflib
 import hashlib
 import re
 import secrets
@@ -41,6 +40,7 @@ from typing import Any, Final
 
 import attrs
 
+from bearsdk._validators import unknown_field
 from bearsdk.errors import BearError
 from bearsdk.router.config import ConfigError
 from bearsdk.router.errors import short
@@ -313,12 +313,7 @@ def key_from_dict(d: Mapping[str, Any], where: str = "keys[0]") -> KeySpec:
             )
     for field in d:
         if field not in _FIELDS:
-            close = difflib.get_close_matches(str(field), _FIELDS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise KeyConfigError(
-                f"{label}: {short(str(field))} is not a known field{hint} "
-                f"(known: {', '.join(_FIELDS)})"
-            )
+            raise KeyConfigError(unknown_field(label, str(field), _FIELDS))
     if "hash" not in d:
         raise KeyConfigError(f"{label}: hash is required (the key's salted hash; {_HASH_HELP})")
     models = d.get("models", ())
