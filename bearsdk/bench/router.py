@@ -19,6 +19,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -100,6 +101,48 @@ def decision_latency(n: int, rounds: int) -> dict[str, Any]:
     }
 
 
+async def serve_stub(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    name: str,
+    task_status: Any,
+    backlog: int = 128,
+) -> None:
+    """Serve a stub engine on a free loopback port until cancelled; started with its URL.
+
+    ``chat`` answers ``/v1/chat/completions``; ``/bear/snapshot`` says the engine
+    is empty (so the router replays it) and ``/bear/batches`` is 404 (its
+    profile's coefficients are kept).
+    """
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    async def snapshot(request: web.Request) -> web.Response:
+        doc = {
+            "schema": "bear.snapshot/1",
+            "instance": name,
+            "seq": int(time.time() * 1e3),
+            "time": time.time(),
+            "requests": [],
+        }
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/bear/batches", not_found)
+    app.router.add_get("/bear/snapshot", snapshot)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=backlog)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        task_status.started(f"http://127.0.0.1:{port}")
+        await anyio.sleep_forever()
+    finally:
+        await runner.cleanup()
+
+
 async def _stub_engine(task_status: Any) -> None:
     """An engine that answers every chat completion at once with 8 chunks."""
     created = int(time.time())
@@ -130,33 +173,7 @@ async def _stub_engine(task_status: Any) -> None:
         await resp.write_eof()
         return resp
 
-    async def not_found(request: web.Request) -> web.Response:
-        return web.Response(status=404)
-
-    async def snapshot(request: web.Request) -> web.Response:
-        doc = {
-            "schema": "bear.snapshot/1",
-            "instance": "stub",
-            "seq": int(time.time() * 1e3),
-            "time": time.time(),
-            "requests": [],
-        }
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/bear/batches", not_found)
-    app.router.add_get("/bear/snapshot", snapshot)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        task_status.started(f"http://127.0.0.1:{port}")
-        await anyio.sleep_forever()
-    finally:
-        await runner.cleanup()
+    await serve_stub(chat, "stub", task_status)
 
 
 async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:

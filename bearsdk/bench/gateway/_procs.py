@@ -77,36 +77,13 @@ async def _slow_engine(interval_s: float, *, task_status: anyio.abc.TaskStatus[s
             pass  # the gateway gave up on it (a drain cut it): nothing left to send
         return resp
 
-    async def snapshot(request: web.Request) -> web.Response:
-        doc = {
-            "schema": "bear.snapshot/1",
-            "instance": "slow",
-            "seq": int(time.time() * 1e3),
-            "time": time.time(),
-            "requests": [],
-        }
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+    from bearsdk.bench.router import serve_stub
 
-    async def not_found(request: web.Request) -> web.Response:
-        return web.Response(status=404)
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/bear/batches", not_found)
-    app.router.add_get("/bear/snapshot", snapshot)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        task_status.started(f"http://127.0.0.1:{port}")
-        await anyio.sleep_forever()
-    finally:
-        await runner.cleanup()
+    await serve_stub(chat, "slow", task_status, backlog=4096)
 
 
 async def _engines(interval_s: float) -> None:
+    # Only the engines' child process needs the router bench's stubs (and what they import).
     from bearsdk.bench.router import _stub_engine
 
     async with anyio.create_task_group() as tg:
