@@ -21,7 +21,6 @@ import attrs
 from bearsdk.router.config import (
     ConfigError,
     InstanceConfig,
-    instance_from_dict,
     load_pool_config,
 )
 from bearsdk.router.errors import short
@@ -409,12 +408,8 @@ def gateway_config_from_dict(doc: Mapping[str, Any], source: Path | None = None)
         raw = top.raw["instances"]
         if not isinstance(raw, list):
             raise ConfigError(f"gateway: instances must be an array of tables (got {short(raw)})")
-        instances = [instance_from_dict(d, f"instances[{i}]") for i, d in enumerate(raw)]
-        seen: set[str] = set()
-        for inst in instances:
-            if inst.name in seen:
-                raise ConfigError(f"instance {inst.name!r}: duplicate name")
-            seen.add(inst.name)
+        if raw:  # decoded as a pool file's: the same fields, checks and messages
+            instances = load_pool_config({"instances": raw})
     for inst in instances:
         inst.batch_time_model()  # an unknown profile fails at load time
     disc = _Table("discovery", top.raw.get("discovery", {}))

@@ -147,12 +147,10 @@ class ChatStream:
             event = await self._next_event()
             if event is None:
                 break
-            data, doc = event
-            if self._hidden(doc):
-                continue
-            if b"\n" in data:  # a multi-line event: one line for the proxy's clients
-                data = orjson.dumps(doc)
-            yield b"data: " + data + b"\n\n"
+            parts: list[bytes] = []
+            self._emit(event, parts)
+            if parts:
+                yield b"".join(parts)
         yield b"data: [DONE]\n\n"
 
     async def raw_chunks(self) -> AsyncIterator[bytes]:
