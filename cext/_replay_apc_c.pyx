@@ -48,8 +48,8 @@ import numpy as np
 from bearsdk.errors import short_repr
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY as _MAX_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_arrival, check_horizon, check_policy, check_running, check_table,
-    check_tokens,
+    StopReason, check_arrival, check_horizon, check_next_tokens, check_policy, check_running,
+    check_table, check_tokens,
 )
 from bearsdk.snapshot import (
     COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
@@ -224,6 +224,12 @@ ctypedef struct St:
     int64_t* tlog
     int64_t n_tlog
     int64_t cap_tlog
+    # the new request's tokens: batch index and time of each (next_tokens)
+    int64_t want
+    int64_t n_tok
+    int64_t* tok_k
+    double* tok_t
+    int64_t cap_tok
 
 
 # ---------------------------------------------------------------------------
@@ -1004,8 +1010,12 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
             if st.record:
                 log_batch(st, b, dt)
             if b.has_new:
-                return R_FIRST_TOKEN
-            if st.t > st.horizon:
+                st.tok_k[st.n_tok] = st.k
+                st.tok_t[st.n_tok] = st.t
+                st.n_tok += 1
+                if st.n_tok >= st.want:
+                    return R_FIRST_TOKEN
+            if st.n_tok == 0 and st.t > st.horizon:
                 return R_HORIZON
         else:
             # Nothing scheduled and nothing in flight that could free a seat
@@ -1016,6 +1026,8 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                 if q.nlive or q.n_samp:
                     inert = False
             if inert:
+                if st.n_tok:
+                    return R_FIRST_TOKEN  # preempted past its first token for good
                 if not st.pending_new:
                     return R_NEVER
                 # Idle until the new request arrives.
@@ -1023,7 +1035,7 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                 wq_push_back(st, st.new_slot)
                 st.pending_new = False
         if (b.nlive and st.k >= max_batches) or st.work >= st.max_work:
-            return R_LIMIT
+            return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         if st.ring_n < st.P.depth:
             continue
         process(st, &st.ring[st.ring_head])
@@ -1166,6 +1178,8 @@ cdef class Replayer:
         free(st.first)
         free(st.log)
         free(st.tlog)
+        free(st.tok_k)
+        free(st.tok_t)
         for i in range(3):
             free(st.ring[i].ent_s)
             free(st.ring[i].ent_n)
@@ -1425,7 +1439,7 @@ cdef class Replayer:
 
     cdef int _start(self, Prepared pr, object prompt_tokens, object output_len,
                     object max_tokens, object coeffs, bint record, object prefix_keys,
-                    double arrival=0.0) except -1:
+                    double arrival=0.0, int64_t next_tokens=0) except -1:
         cdef St* st = &self.st
         cdef Rq* q
         cdef Batch* b0
@@ -1494,6 +1508,14 @@ cdef class Replayer:
         self._init_req(q, prompt, 0, imax(out_len, 1), cap_tokens)
         q.status = S_WAITING
         q.in_batch = -1
+        # Never past its output length: an async engine's wasted token past an
+        # unannounced stop is no token.
+        st.want = imin(1 + next_tokens, q.target - q.outputs)
+        st.n_tok = 0
+        if st.want > st.cap_tok:
+            mem_resize(<void**>&st.tok_k, st.want, sizeof(int64_t))
+            mem_resize(<void**>&st.tok_t, st.want, sizeof(double))
+            st.cap_tok = st.want
         if nk:
             mem_reserve(<void**>&st.ak, &st.ak_cap, nk, 256, sizeof(int64_t))
             for i in range(nk):
@@ -1526,12 +1548,14 @@ cdef class Replayer:
         cdef int rc
         with nogil:
             rc = go(&self.st, 1_000_000)
-        return self.st.t if rc != R_NEVER else INFINITY
+        if rc == R_NEVER:
+            return INFINITY
+        return self.st.tok_t[0] if rc == R_FIRST_TOKEN else self.st.t
 
     def replay(self, Prepared prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
                max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY,
-               arrival_s=0.0):
+               arrival_s=0.0, next_tokens=0):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay`` (``max_work`` counts
@@ -1542,16 +1566,21 @@ cdef class Replayer:
             _MAX_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
         cdef double horizon = check_horizon(horizon_s)
         cdef double arrival = check_arrival(arrival_s)
+        cdef int64_t follow = check_next_tokens(next_tokens)
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, prefix_keys,
-                    arrival)
+                    arrival, follow)
         self.st.max_work = work
         self.st.horizon = horizon
         cdef int rc
         with nogil:
             rc = go(&self.st, limit)
         batches = tuple(self._records(prepared)) if record else None
+        cdef St* st = &self.st
         if rc == R_FIRST_TOKEN:
-            return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
+            return ReplayResult(
+                st.tok_k[0], st.tok_t[0], StopReason.FIRST_TOKEN, batches,
+                token_batches=tuple([st.tok_k[i] for i in range(st.n_tok)]),
+                token_times_s=tuple([st.tok_t[i] for i in range(st.n_tok)]))
         if rc == R_LIMIT:
             return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
         if rc == R_HORIZON:

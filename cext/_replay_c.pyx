@@ -40,8 +40,8 @@ from bearsdk.replay import _replay_apc_c
 
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK as _MAX_REPLAY_WORK_PY, MAX_TOKENS as _MAX_TOKENS_PY, BatchRecord, ReplayResult,
-    StopReason, check_arrival, check_horizon, check_policy, check_running, check_table,
-    check_tokens,
+    StopReason, check_arrival, check_horizon, check_next_tokens, check_policy, check_running,
+    check_table, check_tokens,
 )
 from bearsdk.snapshot import (
     COL_COMPUTED, COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PLACEHOLDERS,
@@ -211,7 +211,13 @@ ctypedef struct State:
     int32_t* tmp
     int64_t* grant
     int32_t new_slot
-    bint found
+    bint new_tok_b       # the batch being formed samples a token for the new request
+    # the new request's tokens: batch index and time of each (next_tokens)
+    int64_t want
+    int64_t n_tok
+    int64_t* tok_k
+    double* tok_t
+    int64_t cap_tok
     bint new_seen        # admission looked at the new request (see last_new_examined)
     Batch* unlazy_batch  # the batch in flight while one is formed (async), else NULL
     double b0
@@ -1094,7 +1100,7 @@ cdef int after_schedule(State* st, Alloc* a, Pipe* p, Batch* b) except -1 nogil:
                 q.prefilled = 1
                 ex_remove(st, s)
             if s == st.new_slot:
-                st.found = True
+                st.new_tok_b = True
             if Pipe is AsyncPipe:
                 q.ph += 1
                 pending = q.outputs + q.ph
@@ -1303,6 +1309,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
     cdef Batch* prev
     cdef Batch* b
     cdef double dt
+    cdef bint follow
     cdef int64_t depth = 2 if Pipe is AsyncPipe else 1
     if st.materialized or st.force_slow or st.n_ex > 0 or st.n_lazy == 0:
         return 0
@@ -1328,6 +1335,11 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         m = imin(m, e.key + depth - st.vt)
     m = kv_run_limit(st, m)
     m = run_limit_before(st, m, st.horizon)
+    follow = st.n_tok > 0 and R(st, st.new_slot).lazy
+    if follow:
+        # Each batch of the run samples the new request's next token: stop at
+        # the last one wanted (the ordinary path then takes that batch).
+        m = imin(m, st.want - st.n_tok)
     if st.pending_new:
         # Its arrival is met batch by batch too (a batch scheduled at or after
         # it sees the new request).
@@ -1335,8 +1347,18 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
     if m < 2:
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
-    # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
-    dt = m * run_first_batch_s(st) + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
+    if follow:
+        # Batch by batch (at most next_tokens of them): each ends at a token.
+        dt = 0.0
+        for j in range(m):
+            dt += st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) \
+                + st.b2 * <double>(st.s_base + st.n_lazy * (st.vt + j))
+            st.tok_k[st.n_tok] = st.k + j + 1
+            st.tok_t[st.n_tok] = st.t + dt
+            st.n_tok += 1
+    else:
+        # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
+        dt = m * run_first_batch_s(st) + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
     if st.record:
         for j in range(m):
             v = st.vt + j
@@ -1370,6 +1392,19 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
 # The engine loop
 # ---------------------------------------------------------------------------
 
+cdef inline bint new_lazily_served(State* st, Batch* b) noexcept nogil:
+    """Did batch b serve the new request as a lazy decode (one token)?
+
+    A request folded back after this batch's exact step starts at the next vt,
+    so a token is never counted twice.
+    """
+    cdef Req* q
+    if st.n_tok == 0 or b.vt < 0:
+        return False
+    q = R(st, st.new_slot)
+    return q.lazy and q.lazy_since <= b.vt <= q.served_until
+
+
 cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except -1 nogil:
     cdef Batch* b
     cdef Batch* prev
@@ -1391,16 +1426,24 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
-            if st.found:
-                return R_FIRST_TOKEN
+            if st.new_tok_b or new_lazily_served(st, b):
+                st.new_tok_b = False
+                st.tok_k[st.n_tok] = st.k
+                st.tok_t[st.n_tok] = st.t
+                st.n_tok += 1
+                st.horizon = INFINITY  # it bounds the first token only
+                if st.n_tok >= st.want:
+                    return R_FIRST_TOKEN
             if st.t > st.horizon:
                 return R_HORIZON
             if st.k >= max_batches:
-                return R_LIMIT
+                return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         else:
             prev = &st.ring[st.ring_head] if st.ring_n > 1 else NULL
             if prev == NULL or (prev.nsched == 0 and prev.n_rel == 0 and prev.n_stale == 0
                                 and not prev.sampled_any):
+                if st.n_tok:
+                    return R_FIRST_TOKEN  # preempted past its first token for good
                 if not st.pending_new:
                     return R_NEVER
                 # Idle until the new request arrives.
@@ -1408,7 +1451,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
                 wq_push_back(st, st.new_slot)
                 st.pending_new = False
         if st.work >= st.max_work:
-            return R_LIMIT
+            return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         if st.ring_n < depth:
             continue
         ring_pop(st, a, p)
@@ -1584,6 +1627,8 @@ cdef class Replayer:
         free(st.tmp)
         free(st.grant)
         free(st.log)
+        free(st.tok_k)
+        free(st.tok_t)
         for i in range(3):
             free(st.ring[i].rel)
             free(st.ring[i].stale)
@@ -1811,7 +1856,8 @@ cdef class Replayer:
         return 0
 
     cdef int _start(self, Prepared pr, object prompt_tokens, object output_len, object max_tokens,
-                    object coeffs, bint record, double arrival=0.0) except -1:
+                    object coeffs, bint record, double arrival=0.0,
+                    int64_t next_tokens=0) except -1:
         cdef State* st = &self.st
         cdef Req* q
         cdef Batch* b0
@@ -1871,7 +1917,7 @@ cdef class Replayer:
         st.force_slow = self.force_slow or pr.exact or pr.exact_b0
         st.slow_until_b0 = pr.exact_b0 and not (self.force_slow or pr.exact)
         st.b0_done = False
-        st.found = False
+        st.new_tok_b = False
         st.new_seen = False
         st.record = record
         st.n_log = 0
@@ -1884,6 +1930,14 @@ cdef class Replayer:
         q = &st.r[pr.n]
         memset(q, 0, sizeof(Req))
         self._init_req(q, prompt, 0, imax(out_len, 1), cap_tokens)
+        # Never past its output length: an async engine's wasted token past an
+        # unannounced stop is no token.
+        st.want = imin(1 + next_tokens, q.target - q.outputs)
+        st.n_tok = 0
+        if st.want > st.cap_tok:
+            mem_resize(<void**>&st.tok_k, st.want, sizeof(int64_t))
+            mem_resize(<void**>&st.tok_t, st.want, sizeof(double))
+            st.cap_tok = st.want
         q.status = S_WAITING
         q.ro_pos = -1
         q.last_sched = NEVER_SCHEDULED
@@ -1924,7 +1978,7 @@ cdef class Replayer:
     def replay(self, prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
                max_tokens=-1, max_work=None, prefix_keys=None, horizon_s=INFINITY,
-               arrival_s=0.0):
+               arrival_s=0.0, next_tokens=0):
         """Replay batch formation until the new request's first token.
 
         Same contract as the pure-Python twin's ``replay``; ``max_work`` counts
@@ -1936,13 +1990,15 @@ cdef class Replayer:
         if self._last_apc:
             return self._apc_of(prepared).replay(
                 prepared, prompt_tokens, output_len, coeffs, record, max_batches, max_tokens,
-                max_work, prefix_keys, horizon_s, arrival_s)
+                max_work, prefix_keys, horizon_s, arrival_s, next_tokens)
         cdef int64_t limit = check_tokens(max_batches, "max_batches", MIN_ANY)
         cdef int64_t work = check_tokens(
             _MAX_REPLAY_WORK_PY if max_work is None else max_work, "max_work", MIN_ANY)
         cdef double horizon = check_horizon(horizon_s)
         cdef double arrival = check_arrival(arrival_s)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, arrival)
+        cdef int64_t follow = check_next_tokens(next_tokens)
+        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, record, arrival,
+                    follow)
         self.st.max_work = work
         self.st.horizon = horizon
         cdef int rc
@@ -1951,8 +2007,12 @@ cdef class Replayer:
         batches = None
         if record:
             batches = tuple(self._records())
+        cdef State* st = &self.st
         if rc == R_FIRST_TOKEN:
-            return ReplayResult(self.st.k, self.st.t, StopReason.FIRST_TOKEN, batches)
+            return ReplayResult(
+                st.tok_k[0], st.tok_t[0], StopReason.FIRST_TOKEN, batches,
+                token_batches=tuple([st.tok_k[i] for i in range(st.n_tok)]),
+                token_times_s=tuple([st.tok_t[i] for i in range(st.n_tok)]))
         if rc == R_LIMIT:
             return ReplayResult(0, self.st.t, StopReason.BATCH_LIMIT, batches)
         if rc == R_HORIZON:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -193,3 +194,41 @@ def test_a_target_below_the_overhead_still_decides() -> None:
     assert d.chosen.estimator == "bea"
     assert d.chosen.ttft_lower_bound
     assert d.chosen.ttft_s > 0.05
+
+
+def test_a_new_request_admitted_whole_overtakes_a_chunked_prompt_admitted_before_it() -> None:
+    # Admissions before the running stage, chunked prefill: the fourth waiting
+    # request's last token would come in the running stage of the next batch,
+    # after the new request, admitted whole in that batch's admissions. The
+    # queue ahead is then no bound (hypothesis found it with these numbers).
+    import attrs
+
+    from bearsdk.schedulers import bind_scheduler
+
+    pol = attrs.evolve(
+        bind_scheduler("vllm-v1", {}),
+        token_budget=16,
+        max_seqs=4,
+        max_model_len=0,
+        stages=("waiting", "running"),
+        admit_after_preemption=False,
+        async_scheduling=False,
+        chunked_prefill=True,
+        chunk_cap=0,
+        cap_exempt_when_alone=False,
+        reserve_full_sequence=False,
+        block_size=1,
+        num_blocks=0,
+        reserved_blocks=0,
+        watermark=0.0,
+        decode_needs_free_block=False,
+        prefix_caching=False,
+    )
+    table = np.array([[1, 1, 0, 0, 1, 1, 0]] * 3 + [[1, 14, 0, 0, 1, 1, 0]], dtype=np.int64)
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=("a", "b", "c", "d"), table=table)
+    for impl in IMPLS:
+        est = BEAEstimator(pol, MODELS[0], implementation=impl)
+        prep = est.prepare(snap)
+        res = est.estimate(prep, 16, 1)
+        assert res.first_token_batch == 2
+        assert 0.0 <= est.bound(prep, 16) <= res.ttft_s

@@ -378,7 +378,7 @@ async def test_target_header_sets_the_decisions_target(tmp_path: Path) -> None:
             rec = gw.decision(headers["x-bear-decision"])
             assert rec is not None
             assert rec.decision.ttft_target_s == pytest.approx(want)
-        # A TPOT target is checked and kept with the decision.
+        # A TPOT target routes: each candidate's TPOT is predicted (issue 21).
         status, _, headers = await call(
             url,
             {"model": "auto", "messages": MSGS, "max_tokens": 2},
@@ -387,6 +387,10 @@ async def test_target_header_sets_the_decisions_target(tmp_path: Path) -> None:
         rec = gw.decision(headers["x-bear-decision"])
         assert rec is not None
         assert rec.tpot_target_s == pytest.approx(0.04)
+        assert rec.decision.tpot_target_s == pytest.approx(0.04)
+        replayed = [c.tpot_s for c in rec.decision.candidates if c.estimator != "lps"]
+        assert replayed
+        assert all(t > 0 for t in replayed)
         # The body's bear object wins over a header.
         status, _, headers = await call(
             url,

@@ -81,6 +81,7 @@ NEW = st.tuples(st.integers(0, 2), st.integers(0, 400), st.integers(1, 400), st.
     news=st.lists(NEW, min_size=1, max_size=3),
     stop_after=st.integers(1, 60),
     seed=st.integers(0, 2**16),
+    follow=st.sampled_from([0, 0, 3, 32]),
 )
 def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
     name: str,
@@ -89,6 +90,7 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
     news: list[tuple[int, int, int, int]],
     stop_after: int,
     seed: int,
+    follow: int,
 ) -> None:
     pol, rng, snap = _run_engine(name, arrivals, at, seed)
     assert snap.kv is not None
@@ -116,7 +118,7 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
             new = cast(CachedReq, geo.make_req(NEW_REQUEST_ID, plen, 0, out, -1, CachedReq))
             new.keys = keys[: plen // pol.block_size]
             core.waiting.append(new)
-            want = core.go(new, limit, 10**9, horizon)
+            want = core.go(new, limit, 10**9, horizon, next_tokens=follow)
             got = cr.replay(
                 cp,
                 plen,
@@ -126,13 +128,17 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
                 max_batches=limit,
                 prefix_keys=keys,
                 horizon_s=horizon,
+                next_tokens=follow,
             )
             assert got == want
+            assert got.token_times_s == want.token_times_s
             if math.isfinite(horizon) and horizon > 0:
                 assert got.stop_reason == "horizon"
             elif limit == 1_000_000:
                 assert want.batches is not None
-                ends = list(itertools.accumulate(b.duration_s for b in want.batches))
+                # (The horizon bounds the first token only.)
+                first = want.batches[: want.first_token_batch]
+                ends = list(itertools.accumulate(b.duration_s for b in first))
             assert got.batches is not None
             assert want.batches is not None
             assert [b.tokens_by_request for b in got.batches] == [

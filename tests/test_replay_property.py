@@ -8,6 +8,7 @@ per-request path forced, so both of its paths are checked against the twin.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -204,6 +205,8 @@ def workload(draw: st.DrawFn, pol: BoundScheduler) -> dict[str, Any]:
         "out": new_out,
         "unlimited": unlimited,
         "extra": extra,
+        # Tokens followed past the first (TPOT): none, a few, the router's 32, many.
+        "follow": draw(st.sampled_from([0, 0, 1, 2, 7, 32, 200])),
     }
 
 
@@ -243,6 +246,7 @@ def tiny_workload(draw: st.DrawFn, pol: BoundScheduler) -> dict[str, Any]:
         "out": draw(st.integers(1, 4)),
         "unlimited": draw(st.integers(0, 3)) == 0,
         "extra": draw(st.sampled_from([0, 1, 2, 3, 8])),
+        "follow": draw(st.sampled_from([0, 1, 2, 3, 5])),
     }
 
 
@@ -256,8 +260,15 @@ def _check(pol: BoundScheduler, w: dict[str, Any]) -> None:
     else:
         p2 = pol.with_kv(pol.block_size, held + pol.reserved_blocks + w["extra"] + 1)
     tw = compile_scheduler(p2, "python")
+    follow = w.get("follow", 0)
     ref = tw.replay(
-        tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True, max_batches=MAX_BATCHES
+        tw.prepare(w["table"]),
+        w["prompt"],
+        w["out"],
+        COEFFS,
+        record=True,
+        max_batches=MAX_BATCHES,
+        next_tokens=follow,
     )
     c = compile_scheduler(p2, "cython")
     for slow in (False, True):
@@ -270,6 +281,7 @@ def _check(pol: BoundScheduler, w: dict[str, Any]) -> None:
                 COEFFS,
                 record=True,
                 max_batches=MAX_BATCHES,
+                next_tokens=follow,
             )
         finally:
             c.force_slow = False
@@ -285,6 +297,14 @@ def _check(pol: BoundScheduler, w: dict[str, Any]) -> None:
             assert got.ttft_s == pytest.approx(ref.ttft_s, rel=1e-9, abs=1e-12)
         else:
             assert not math.isfinite(got.ttft_s)
+        assert got.token_batches == ref.token_batches, where
+        assert got.token_times_s == pytest.approx(ref.token_times_s, rel=1e-9, abs=1e-12), where
+        if ref.first_token_batch:
+            tb = ref.token_batches
+            assert tb[0] == ref.first_token_batch, where
+            assert all(a < b for a, b in itertools.pairwise(tb)), where
+            # Every token wanted, unless a limit or a state it never resumes from stopped it.
+            assert len(tb) <= min(1 + follow, w["out"]), where
 
 
 SOAK = settings().max_examples > 1000

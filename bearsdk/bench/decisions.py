@@ -16,6 +16,11 @@ Each cell is run twice in the same process: with BEAR's default horizon
 inf`` (every estimate replayed to the first token), so that the effect of the
 cut-off is a ratio measured in one run. Targets: median <= 100 µs and p99 <=
 300 µs at 8 instances whatever the depth; median <= 1 ms at 256 instances.
+
+``--tpot`` times, at 8 instances and each depth, the same decisions with a
+TPOT target too (50 ms: BEA follows 32 tokens past the first at every
+instance) against TTFT only, alternating cell by cell in one run: the ratio
+is what routing on TPOT costs (issue 21's bound: within 2x).
 """
 
 from __future__ import annotations
@@ -71,10 +76,22 @@ def _snapshot(name: str, rng: random.Random, at: float, depth: int) -> Snapshot:
     )
 
 
+TPOT_TARGET_S = 0.05
+
+
 def decision_cost(
-    n: int, depth: int | None, decisions: int, *, horizon_factor: float = 2.0, seed: int = 0
+    n: int,
+    depth: int | None,
+    decisions: int,
+    *,
+    horizon_factor: float = 2.0,
+    seed: int = 0,
+    tpot_target_s: float | None = None,
 ) -> dict[str, Any]:
-    """Per-decision times (µs) with ``n`` instances ``depth`` deep (``None``: mixed)."""
+    """Per-decision times (µs) with ``n`` instances ``depth`` deep (``None``: mixed).
+
+    With ``tpot_target_s`` every decision carries that TPOT target too.
+    """
     rng = random.Random(seed)
     t0 = 1_000.0
     clock = [t0]
@@ -98,7 +115,7 @@ def decision_cost(
     for i in range(warm + decisions):
         clock[0] = t0 + STALE_S + i * STEP_S
         a = time.perf_counter_ns()
-        dec = router.decide(msgs, ttft_target=TARGET_S)
+        dec = router.decide(msgs, ttft_target=TARGET_S, tpot_target=tpot_target_s)
         dt = time.perf_counter_ns() - a
         if i >= warm:
             samples.append(dt / 1e3)
@@ -109,6 +126,7 @@ def decision_cost(
         "instances": n,
         "waiting": "mixed" if depth is None else depth,
         "horizon_factor": horizon_factor,
+        "tpot_target_s": tpot_target_s,
         "median_us": round(statistics.median(samples), 2),
         "p99_us": round(samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))], 2),
         "per_instance_us": round(statistics.median(samples) / n, 3),
@@ -117,7 +135,28 @@ def decision_cost(
     }
 
 
+def _tpot(args: argparse.Namespace) -> int:
+    rows = []
+    for depth in (*DEPTHS, None):
+        base = decision_cost(8, depth, args.decisions)
+        tpot = decision_cost(8, depth, args.decisions, tpot_target_s=TPOT_TARGET_S)
+        ratio = round(tpot["median_us"] / base["median_us"], 2)
+        rows.append({"ttft_only": base, "with_tpot": tpot, "ratio_median": ratio})
+        if not args.json:
+            print(
+                f"   8 instances {base['waiting']!s:>6} waiting: TTFT only p50 "
+                f"{base['median_us']:8.1f} p99 {base['p99_us']:8.1f} us; with a TPOT target "
+                f"p50 {tpot['median_us']:8.1f} p99 {tpot['p99_us']:8.1f} us: x{ratio}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps({"tpot": rows}, indent=2))
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.tpot:
+        return _tpot(args)
     rows = []
     for n in POOLS:
         for depth in (*DEPTHS, None):
@@ -146,4 +185,7 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     )
     p.add_argument("--decisions", type=positive_int, default=2000, help="timed decisions per cell")
     p.add_argument("--json", action="store_true", help="JSON report")
+    p.add_argument(
+        "--tpot", action="store_true", help="only: decisions with a TPOT target vs TTFT only"
+    )
     p.set_defaults(func=_main)

@@ -511,6 +511,7 @@ class EngineCore(Runs):
                 if self._core.pool is not None:
                     self._cache_created(h)
             times.append(now)
+            h.token_ends.append(f.end if f.shape is not None else now)
             h.produced += 1
             h.notify()
         for rid in out.finished:

@@ -107,6 +107,8 @@ class RequestHandle:
         arrival: Loop clock at arrival.
         produced: Output tokens emitted so far.
         token_times: Loop clock at each emitted token.
+        token_ends: When the emulated GPU finished the batch that computed each
+            emitted token (loop clock; a late loop delivers it after that).
         done: Finished (or aborted).
         finish_reason: ``stop``, ``length``, ``abort`` (when done).
         dropped: The connection must be dropped (engine restart).
@@ -125,6 +127,7 @@ class RequestHandle:
     arrival: float
     produced: int = 0
     token_times: list[float] = attrs.field(factory=list)
+    token_ends: list[float] = attrs.field(factory=list)
     done: bool = False
     finish_reason: str | None = None
     dropped: bool = False

@@ -77,6 +77,13 @@ class TTFTEstimate:
             included in ``ttft_s``.
         stop_reason: Why the replay ended.
         batches: The simulated batches, when asked for (explains the estimate).
+        token_batches: With ``next_tokens``: the batch index of each token
+            followed, the first included (see
+            :attr:`~bearsdk.replay.types.ReplayResult.token_batches`).
+        tpot_s: With ``next_tokens``: predicted mean time per output token
+            after the first, over the tokens followed (``None``: fewer than two).
+        gap_p90_s: With ``next_tokens``: the 90th percentile of the predicted
+            gaps between those tokens.
     """
 
     ttft_s: float
@@ -84,6 +91,9 @@ class TTFTEstimate:
     inflight_s: float
     stop_reason: StopReason
     batches: tuple[BatchRecord, ...] | None = None
+    token_batches: tuple[int, ...] = ()
+    tpot_s: float | None = None
+    gap_p90_s: float | None = None
 
     @property
     def lower_bound(self) -> bool:
@@ -131,13 +141,21 @@ def _overtaking_impossible(pol: Policy) -> bool:
     a blocked request), no per-request chunk cap (the cap leaves budget for
     the requests behind, which may then finish first), and preempted requests
     requeued in front (at the back, one preempted mid-prompt would redo its
-    prompt after the new request).
+    prompt after the new request). With chunked prefill, a stage that serves
+    prefills must also come before admissions: else a request admitted with
+    a first chunk finishes its prompt in a later stage, behind a new request
+    admitted whole in the meantime.
     """
+    if "waiting" not in pol.stages:
+        return False
+    first = pol.stages.index("waiting")
     return (
         pol.on_blocked == "stop"
         and pol.chunk_cap == 0
-        and "waiting" in pol.stages
         and (pol.victim == "none" or pol.requeue == "front")
+        and (
+            not pol.chunked_prefill or any(x in ("running", "prefills") for x in pol.stages[:first])
+        )
     )
 
 
@@ -282,6 +300,7 @@ class BEAEstimator:
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
         arrival_s: float = 0.0,
+        next_tokens: int = 0,
     ) -> TTFTEstimate:
         """Predict the TTFT of a new request joining the instance's waiting queue.
 
@@ -305,6 +324,10 @@ class BEAEstimator:
                 arrivals exactly; ``ttft_s`` counts from the arrival, batch
                 indices and records from the snapshot. Within the batch in
                 flight this is that batch's remaining time less the arrival.
+            next_tokens: Replay on past the first token until this many more
+                are sampled (or its output ends), for ``tpot_s`` and
+                ``gap_p90_s``: the residents' finishes, admissions and a
+                preemption of this request all shape its token times.
 
         Returns:
             The estimate.
@@ -332,6 +355,7 @@ class BEAEstimator:
             prefix_keys=prefix_keys,
             horizon_s=_replay_horizon(horizon_s, prep, arrival),
             arrival_s=max(arrival - inflight, 0.0),
+            next_tokens=next_tokens,
         )
         return TTFTEstimate(
             ttft_s=res.ttft_s + inflight - arrival,
@@ -339,6 +363,9 @@ class BEAEstimator:
             inflight_s=inflight,
             stop_reason=res.stop_reason,
             batches=res.batches,
+            token_batches=res.token_batches,
+            tpot_s=res.tpot_s,
+            gap_p90_s=res.gap_p90_s,
         )
 
     def ttft(

@@ -86,6 +86,8 @@ class Latency:
             overhead it learns from observed first tokens.
         lower_bound: ``ttft_s`` is past the horizon the router asked for and
             only a lower bound (see :class:`InstanceEstimator`).
+        tpot_s: Predicted mean time per output token after the first (``nan``:
+            not asked for, or the estimator cannot tell).
     """
 
     ttft_s: float
@@ -93,6 +95,7 @@ class Latency:
     age_s: float = math.inf
     replayed: bool = False
     lower_bound: bool = False
+    tpot_s: float = math.nan
 
 
 @runtime_checkable
@@ -103,7 +106,10 @@ class InstanceEstimator(Protocol):
     a class attribute ``horizon_aware = True``) is told, per request, the TTFT
     past which the selector's choice no longer depends on the exact value: it
     may stop there and return a lower bound past it, with
-    :attr:`Latency.lower_bound` set.
+    :attr:`Latency.lower_bound` set. One that also takes a keyword
+    ``next_tokens`` (class attribute ``tpot_aware = True``) is asked, for
+    requests with a TPOT target, to predict :attr:`Latency.tpot_s` over that
+    many tokens after the first.
     """
 
     def estimate(
@@ -203,6 +209,7 @@ class _BEA:
 
     __slots__ = ("_after", "_cache", "_state", "_view")
     horizon_aware = True
+    tpot_aware = True
 
     def __init__(self, ctx: EstimatorContext) -> None:
         self._state = ctx.state
@@ -217,16 +224,23 @@ class _BEA:
         max_tokens: int | None,
         now: float,
         horizon_s: float = math.inf,
+        next_tokens: int = 0,
     ) -> Latency:
         # The router's statistics only matter to the fallback estimator:
         # summarise them only when the snapshot cannot be replayed.
         view = self._view(now) if self._cache.age(now) > self._after else None
         e = self._state.ttft(
-            prompt_tokens, output_tokens, max_tokens, now=now, view=view, horizon_s=horizon_s
+            prompt_tokens,
+            output_tokens,
+            max_tokens,
+            now=now,
+            view=view,
+            horizon_s=horizon_s,
+            next_tokens=next_tokens,
         )
         if e.mode == "fallback":
             return Latency(e.ttft_s, "lps", e.age_s)
-        return Latency(e.ttft_s, e.mode, e.age_s, True, e.lower_bound)
+        return Latency(e.ttft_s, e.mode, e.age_s, True, e.lower_bound, e.tpot_s)
 
 
 class _NoLatency:

@@ -85,6 +85,7 @@ class _Held:
     prompt: Any
     max_tokens: int | None
     instances: Collection[str]
+    tpot_target: float | None
     start: float
     target: float
     deadline: float
@@ -127,6 +128,7 @@ class Admission:
         ttft_target: float | None,
         max_tokens: int | None,
         instances: Collection[str],
+        tpot_target: float | None = None,
     ) -> Decision:
         """Decide for a request and apply the admission rule.
 
@@ -136,6 +138,7 @@ class Admission:
             ttft_target: The request's target (``None``: the router's rule).
             max_tokens: Its output cap.
             instances: Where it may go.
+            tpot_target: Its TPOT target, if any: on time means meeting both.
 
         Returns:
             The decision to send it by.
@@ -146,7 +149,11 @@ class Admission:
             NoInstanceError: No instance can take it at all.
         """
         d: Decision = decide(
-            prompt, ttft_target=ttft_target, max_tokens=max_tokens, instances=instances
+            prompt,
+            ttft_target=ttft_target,
+            max_tokens=max_tokens,
+            instances=instances,
+            tpot_target=tpot_target,
         )
         mode = self.config.mode
         if mode == "best-effort" or on_time(d):
@@ -168,7 +175,9 @@ class Admission:
         start = self.clock()
         target = d.ttft_target_s
         wait = self.config.max_wait_ms / 1e3 if self.config.max_wait_ms > 0 else target
-        held = _Held(prompt, max_tokens, instances, start, target, start + min(wait, target), d)
+        held = _Held(
+            prompt, max_tokens, instances, tpot_target, start, target, start + min(wait, target), d
+        )
         self._queue.append(held)
         self.on_outcome("queued")
         try:
@@ -220,7 +229,11 @@ class Admission:
             if fresh and decide is not None and time.perf_counter() - t0 <= budget_s:
                 try:
                     d = decide(
-                        h.prompt, ttft_target=left, max_tokens=h.max_tokens, instances=h.instances
+                        h.prompt,
+                        ttft_target=left,
+                        max_tokens=h.max_tokens,
+                        instances=h.instances,
+                        tpot_target=h.tpot_target,
                     )
                 except BearError:
                     d = None  # e.g. no routable instance in its group right now: later
@@ -242,9 +255,12 @@ def _late(d: Decision, waited_s: float = 0.0) -> Refused:
     drain = drain_time_s(d)
     best = min((c.ttft_s for c in d.candidates if math.isfinite(c.ttft_s)), default=math.inf)
     waited = f" after waiting {waited_s * 1e3:.0f} ms" if waited_s > 0 else ""
+    tpot = ""
+    if d.tpot_target_s != math.inf:
+        tpot = f" and the TPOT target of {d.tpot_target_s * 1e3:.1f} ms"
     return Refused(
         f"no instance is predicted to meet the TTFT target of {d.ttft_target_s * 1e3:.0f} ms"
-        f"{waited} (best predicted {best * 1e3:.0f} ms)",
+        f"{tpot}{waited} (best predicted TTFT {best * 1e3:.0f} ms)",
         max(_MIN_RETRY_S, drain),
         "slo_unattainable",
     )

@@ -199,6 +199,7 @@ async def _serve(
                 ttft_target=target,
                 max_tokens=req.max_tokens,
                 instances=members,
+                tpot_target=req.tpot_target_s,
             )
         except Refused as exc:
             _count_error(gw, model, exc.code)
@@ -374,8 +375,7 @@ async def decision(request: web.Request) -> web.Response:
         "instance": d.instance,
         "reason": d.reason,
         "ttft_target_s": d.ttft_target_s,
-        # Accepted and kept; routing on it waits for TPOT prediction.
-        "tpot_target_s": rec.tpot_target_s,
+        "tpot_target_s": None if d.tpot_target_s == math.inf else d.tpot_target_s,
         "observed_ttft_s": None if math.isnan(rec.ttft_s) else rec.ttft_s,
         "outcome": rec.outcome,
         "decide_s": d.decide_s,

@@ -54,4 +54,5 @@ class Replayer:
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = ...,
         arrival_s: float = ...,
+        next_tokens: int = ...,
     ) -> ReplayResult: ...

@@ -28,6 +28,7 @@ from bearsdk.replay.types import (
     ReplayResult,
     check_arrival,
     check_horizon,
+    check_next_tokens,
     check_tokens,
 )
 
@@ -137,6 +138,7 @@ class Replayer:
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
         arrival_s: float = 0.0,
+        next_tokens: int = 0,
     ) -> ReplayResult:
         """Replay batch formation until the new request's first token.
 
@@ -170,6 +172,13 @@ class Replayer:
                 as fast-forwarding it to then would. Every time returned still
                 counts from the replay's start: the TTFT is ``ttft_s`` less
                 the arrival.
+            next_tokens: Go on past the first token until the new request has
+                sampled this many more (or its output ends; ``0``: stop at the
+                first token). The batches then run as the engine would run
+                them: a preemption of the new request, its recompute and the
+                residents' finishes and admissions all shape its token times
+                (``token_batches``, ``token_times_s``, ``tpot_s``). The
+                horizon applies to the first token only.
 
         Returns:
             The first-token batch, the summed batch times, and optionally the
@@ -185,6 +194,7 @@ class Replayer:
         work = check_tokens(work, "max_work", -MAX_TOKENS)
         horizon = check_horizon(horizon_s)
         arrival = check_arrival(arrival_s)
+        follow = check_next_tokens(next_tokens)
         run = SchedulerCore.from_prepared(self._geo, prepared, record, coeffs)
         if run.pool is None:
             new = self._geo.make_req(
@@ -204,6 +214,6 @@ class Replayer:
         if arrival == 0.0:
             run.waiting.append(new)
         try:
-            return run.go(new, max_batches, work, horizon, arrival)
+            return run.go(new, max_batches, work, horizon, arrival, follow)
         finally:
             self._new_seen = run.watched_seen

@@ -401,13 +401,17 @@ class SchedulerCore:
         max_work: int,
         horizon: float = math.inf,
         arrival: float = 0.0,
+        next_tokens: int = 0,
     ) -> ReplayResult:
         """Run until ``new``'s first token (the replay; see ``Replayer.replay``).
 
         With ``arrival > 0``, ``new`` joins the waiting queue before the first
         batch scheduled at or after that time (as fast-forward adds a dispatch),
         and an engine idle before it waits for it; otherwise the caller has
-        queued it. Times count from the end of the batch in flight.
+        queued it. Times count from the end of the batch in flight. With
+        ``next_tokens``, on until ``new`` has sampled that many more tokens
+        (never past its output length: an async engine's wasted token past an
+        unannounced stop is no token).
         """
         depth = self.geo.depth
         k = 0
@@ -416,6 +420,9 @@ class SchedulerCore:
         self.watched = new
         self.watched_seen = False
         pending = arrival > 0.0
+        want = min(1 + next_tokens, new.target - new.outputs)
+        tk: list[int] = []
+        tt: list[float] = []
         while True:
             if pending and t >= arrival:
                 self.waiting.append(new)
@@ -428,10 +435,16 @@ class SchedulerCore:
                 dt = self.account(batch)
                 t += dt
                 if new in batch.sampled:
-                    return ReplayResult(k, t, StopReason.FIRST_TOKEN, self._batches())
-                if t > horizon:
+                    tk.append(k)
+                    tt.append(t)
+                    if len(tk) >= want:
+                        return self._result(tk, tt)
+                if not tk and t > horizon:
                     return ReplayResult(0, t, StopReason.HORIZON, self._batches())
             elif all(q.inert() for q in self.queue):
+                if tk:
+                    # Preempted past its first token and never able to resume.
+                    return self._result(tk, tt)
                 if not pending:
                     # Nothing scheduled and nothing in flight that could free a
                     # seat or a block: the new request can never be served.
@@ -441,6 +454,8 @@ class SchedulerCore:
                 self.waiting.append(new)
                 pending = False
             if (batch.sched and k >= max_batches) or work >= max_work:
+                if tk:
+                    return self._result(tk, tt)
                 # The batches so far happen before the first token: their time
                 # bounds the TTFT from below.
                 return ReplayResult(0, t, StopReason.BATCH_LIMIT, self._batches())
@@ -448,6 +463,16 @@ class SchedulerCore:
             if len(self.queue) < depth:
                 continue
             self.process(self.queue.popleft())
+
+    def _result(self, tk: list[int], tt: list[float]) -> ReplayResult:
+        return ReplayResult(
+            tk[0],
+            tt[0],
+            StopReason.FIRST_TOKEN,
+            self._batches(),
+            token_batches=tuple(tk),
+            token_times_s=tuple(tt),
+        )
 
     def _batches(self) -> tuple[BatchRecord, ...] | None:
         return tuple(self.batches) if self.record else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from bearsdk.schedulers.spec import Policy
 
 __all__ = [
+    "MAX_NEXT_TOKENS",
     "MAX_REPLAY_WORK",
     "MAX_REPLAY_WORK_PY",
     "MAX_TOKENS",
@@ -29,6 +31,7 @@ __all__ = [
     "StopReason",
     "check_arrival",
     "check_horizon",
+    "check_next_tokens",
     "check_policy",
     "check_running",
     "check_table",
@@ -62,6 +65,14 @@ plain decodes into an aggregate), so one replay costs it more units than the
 compiled one; its bound is larger so that it never stops before the compiled
 loop on a replay the compiled loop finishes. The twins agree wherever neither
 reaches its bound.
+"""
+
+MAX_NEXT_TOKENS: Final = 4096
+"""The most tokens after the first a replay follows (``next_tokens``).
+
+TPOT is judged over the first tens of tokens (llm-d's SLO-aware picker and
+the serving benchmarks use 32 to 128); the bound keeps the per-replay token
+log small and the replay's cost bounded by the batches it forms.
 """
 
 # Lowest value accepted per column (max_tokens <= 0 means "none").
@@ -111,6 +122,21 @@ def check_arrival(value: object) -> float:
     v = float(value)
     if not 0.0 <= v < math.inf:
         raise ValueError(f"arrival_s must be finite and >= 0 (got {short_repr(value)})")
+    return v
+
+
+def check_next_tokens(value: object) -> int:
+    """Return ``value`` as a count of tokens to follow after the first.
+
+    Raises:
+        ValueError: It is not an integer in ``[0, MAX_NEXT_TOKENS]``.
+    """
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"next_tokens must be an integer (got {short_repr(value)})") from None
+    if not 0 <= v <= MAX_NEXT_TOKENS:
+        raise ValueError(f"next_tokens must be in [0, {MAX_NEXT_TOKENS}] (got {short_repr(v)})")
     return v
 
 
@@ -270,12 +296,39 @@ class ReplayResult:
             adds that.
         stop_reason: Why the replay ended.
         batches: The simulated batches, when requested.
+        token_batches: With ``next_tokens``: the 1-based batch index of each
+            token the new request samples, its first token first, up to
+            ``1 + next_tokens`` tokens or its output length. Shorter when the
+            replay stopped before (a limit, or a state in which it can never
+            resume); empty when it never reached the first token.
+        token_times_s: The time at the end of each of those batches (the
+            token's time, counted as ``ttft_s`` is; not part of equality: the
+            compiled loop sums runs of equal batches in closed form).
     """
 
     first_token_batch: int
     ttft_s: float
     stop_reason: StopReason
     batches: tuple[BatchRecord, ...] | None = None
+    token_batches: tuple[int, ...] = ()
+    token_times_s: tuple[float, ...] = attrs.field(default=(), eq=False)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (``None``: under two tokens)."""
+        t = self.token_times_s
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    @property
+    def gap_p90_s(self) -> float | None:
+        """The 90th percentile of the gaps between tokens (nearest rank; ``None``: under two)."""
+        t = self.token_times_s
+        if len(t) < 2:
+            return None
+        gaps = sorted(b - a for a, b in itertools.pairwise(t))
+        return gaps[max(0, math.ceil(0.9 * len(gaps)) - 1)]
 
     @property
     def lower_bound(self) -> bool:
@@ -349,6 +402,12 @@ class ReplayerProtocol(Protocol):
         prefix_keys: Sequence[int] | None = None,
         horizon_s: float = math.inf,
         arrival_s: float = 0.0,
+        next_tokens: int = 0,
     ) -> ReplayResult:
-        """Replay batch formation until the new request's first token (or ``horizon_s``)."""
+        """Replay batch formation until the new request's first token (or ``horizon_s``).
+
+        With ``next_tokens``, on past the first token until ``next_tokens``
+        more are sampled (or its output ends): ``token_batches`` and
+        ``token_times_s`` then give TPOT.
+        """
         ...

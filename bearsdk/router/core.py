@@ -381,6 +381,7 @@ class RouterCore:
         request_id: str | None = None,
         exclude: frozenset[str] = frozenset(),
         instances: Collection[str] | None = None,
+        tpot_target: float | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -388,6 +389,10 @@ class RouterCore:
             prompt: A prompt, or chat messages.
             ttft_target: The request's TTFT target in seconds, > 0 (default: the
                 target rule; ``math.inf``: no target, every instance is on time).
+            tpot_target: Its target mean time per output token after the first,
+                seconds > 0 (default and ``math.inf``: none). A selector that
+                routes on TPOT (BEAR) has BEA follow its first tokens and
+                requires both targets.
             max_tokens: The request's output cap.
             request_id: Id to record (default: a fresh one).
             exclude: Instances not to consider.
@@ -404,6 +409,8 @@ class RouterCore:
         """
         t0 = time.perf_counter()
         ttft_target = check_target(ttft_target)
+        tpot = check_target(tpot_target, "tpot_target")
+        tpot_s = math.inf if tpot is None else tpot
         max_tokens = check_max_tokens("max_tokens", max_tokens)
         if request_id is not None and not (
             isinstance(request_id, str) and 0 < len(request_id) <= 256
@@ -429,8 +436,15 @@ class RouterCore:
         target = self.targets.target_for(prompt_tokens) if ttft_target is None else ttft_target
         sel_ = self.selector
         horizon = self._horizon(target)
-        cands = self._candidates(slots, pred, max_tokens, now, horizon)
-        sel = sel_.select([c[0] for c in cands], target)
+        want = getattr(sel_, "next_tokens", None)
+        follow = 0 if want is None else int(want(tpot_s))
+        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow)
+        if want is None:
+            sel = sel_.select([c[0] for c in cands], target)
+        else:
+            # (The protocol's optional TPOT form; see Selector.)
+            tpot_aware: Any = sel_
+            sel = tpot_aware.select([c[0] for c in cands], target, tpot_target_s=tpot_s)
         index, reason = sel.index, sel.reason
         if self._explorer is not None and self._explorer.draw():
             got = self._explorer.pick(
@@ -461,6 +475,7 @@ class RouterCore:
                 speed_factor=speed,
                 overhead_s=overhead,
                 ttft_lower_bound=bound,
+                tpot_s=o.tpot_s,
             )
             for i, (o, est, age, ptok, out, speed, overhead, bound) in enumerate(cands)
         )
@@ -478,6 +493,7 @@ class RouterCore:
             decided_at=now,
             decide_s=time.perf_counter() - t0,
             explored=index != sel.index,
+            tpot_target_s=tpot_s,
         )
         for hook in self.hooks.on_decision:
             hook(d)
@@ -499,6 +515,7 @@ class RouterCore:
         max_tokens: int | None,
         now: float,
         horizon: float = math.inf,
+        next_tokens: int = 0,
     ) -> list[tuple[Option, str, float, int, int, float, float, bool]]:
         lam = self.selector.lam
         kind = self.selector.latency
@@ -517,7 +534,14 @@ class RouterCore:
             est = s.estimators.get(kind)
             if est is None:
                 est = self._estimator(s, kind)
-            if horizon != math.inf and getattr(est, "horizon_aware", False):
+            if next_tokens and getattr(est, "tpot_aware", False):
+                ov = _overhead(s, now)
+                left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
+                lat = est.estimate(  # type: ignore[call-arg]
+                    ptok, out, max_tokens, now, left, next_tokens=next_tokens
+                )
+                overhead = ov if lat.replayed else 0.0
+            elif horizon != math.inf and getattr(est, "horizon_aware", False):
                 ov = _overhead(s, now)
                 # A target already eaten by the overhead (a tiny one, or a held request's
                 # near its deadline) still gets an estimate: the first batch, a lower bound.
@@ -536,6 +560,7 @@ class RouterCore:
                 lat.ttft_s + overhead,
                 s.inflight,
                 s.inflight,
+                tpot_s=lat.tpot_s,
             )
             speed = 1.0 if s.speed is None else s.speed.factor
             out_rows.append(

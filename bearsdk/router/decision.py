@@ -42,6 +42,8 @@ class Candidate:
         ttft_lower_bound: ``ttft_s`` is past the selector's horizon and only a
             lower bound: the replay stopped there, or never started
             (``docs/decision-cost.md``).
+        tpot_s: Predicted mean time per output token after the first, for a
+            request with a TPOT target (``nan``: not predicted).
     """
 
     instance: str
@@ -60,6 +62,7 @@ class Candidate:
     speed_factor: float = 1.0
     overhead_s: float = 0.0
     ttft_lower_bound: bool = False
+    tpot_s: float = math.nan
 
 
 @attrs.frozen
@@ -81,6 +84,7 @@ class Decision:
         explored: The router overrode the selector's choice to explore an
             instance with no recent speed evidence (see
             :mod:`bearsdk.router.explore`); ``reason`` says why.
+        tpot_target_s: The request's TPOT target (``inf``: none).
     """
 
     request_id: str
@@ -95,6 +99,7 @@ class Decision:
     decided_at: float
     decide_s: float
     explored: bool = False
+    tpot_target_s: float = math.inf
 
     @property
     def policy(self) -> str:
@@ -114,7 +119,10 @@ class Decision:
     def explain(self) -> str:
         """A few lines for humans: the candidates and the choice."""
         target_ms = self.ttft_target_s * 1e3
-        lines = [f"{self.selector}: {self.instance} ({self.reason}; target {target_ms:.0f} ms)"]
+        target = f"target {target_ms:.0f} ms"
+        if self.tpot_target_s != math.inf:
+            target += f", TPOT {self.tpot_target_s * 1e3:.1f} ms"
+        lines = [f"{self.selector}: {self.instance} ({self.reason}; {target})"]
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.index else " "
             feas = "" if c.feasible is None else (" ok " if c.feasible else " miss")
@@ -123,8 +131,10 @@ class Decision:
             if c.overhead_s > 0.0:
                 extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
             ge = ">=" if c.ttft_lower_bound else "  "
+            tpot = "" if math.isnan(c.tpot_s) else f" tpot {c.tpot_s * 1e3:6.2f} ms"
             lines.append(
                 f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
-                f"u {c.utility:+.3f} ttft {ge}{c.ttft_s * 1e3:8.1f} ms{feas} [{c.estimator}]{extra}"
+                f"u {c.utility:+.3f} ttft {ge}{c.ttft_s * 1e3:8.1f} ms{tpot}{feas} "
+                f"[{c.estimator}]{extra}"
             )
         return "\n".join(lines)

@@ -73,6 +73,7 @@ class Dispatcher:
         *,
         instances: Collection[str] | None = None,
         decision: Decision | None = None,
+        tpot_target: float | None = None,
     ) -> ChatStream | ChatResponse:
         if self.session is None:
             raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
@@ -98,6 +99,7 @@ class Dispatcher:
                 ttft_target=ttft_target,
                 max_tokens=max_tokens or max_completion,
                 instances=instances,
+                tpot_target=tpot_target,
             )
         caller_usage = bool((options or {}).get("include_usage"))
         body["stream"] = stream

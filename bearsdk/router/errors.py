@@ -75,15 +75,15 @@ class EngineRequestError(BearError, RuntimeError):
         self.decision = decision
 
 
-def check_target(value: object) -> float | None:
-    """``ttft_target``: seconds > 0 (``inf``: no target), or ``None`` for the rule's."""
+def check_target(value: object, name: str = "ttft_target") -> float | None:
+    """``ttft_target`` (or ``name``): seconds > 0 (``inf``: no target), or ``None``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RequestError(f"ttft_target must be a number of seconds > 0 (got {short(value)})")
+        raise RequestError(f"{name} must be a number of seconds > 0 (got {short(value)})")
     target = float(value)
     if not target > 0:  # NaN fails this too
-        raise RequestError(f"ttft_target must be a number of seconds > 0 (got {short(value)})")
+        raise RequestError(f"{name} must be a number of seconds > 0 (got {short(value)})")
     return target
 
 

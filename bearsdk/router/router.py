@@ -370,6 +370,7 @@ class AsyncRouter(Runs):
         request_id: str | None = None,
         exclude: frozenset[str] = frozenset(),
         instances: Collection[str] | None = None,
+        tpot_target: float | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -382,6 +383,7 @@ class AsyncRouter(Runs):
             request_id=request_id,
             exclude=exclude,
             instances=instances,
+            tpot_target=tpot_target,
         )
 
     async def route(
@@ -390,9 +392,12 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = None,
         max_tokens: int | None = None,
+        tpot_target: float | None = None,
     ) -> Decision:
         """Choose an instance for a request without dispatching it (see :meth:`decide`)."""
-        return self.core.decide(prompt, ttft_target=ttft_target, max_tokens=max_tokens)
+        return self.core.decide(
+            prompt, ttft_target=ttft_target, max_tokens=max_tokens, tpot_target=tpot_target
+        )
 
     # ------------------------------------------------------------------ dispatch
 
@@ -402,6 +407,7 @@ class AsyncRouter(Runs):
         messages: Sequence[Mapping[str, Any]],
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -415,6 +421,7 @@ class AsyncRouter(Runs):
         messages: Sequence[Mapping[str, Any]],
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -428,6 +435,7 @@ class AsyncRouter(Runs):
         messages: Sequence[Mapping[str, Any]],
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -440,6 +448,7 @@ class AsyncRouter(Runs):
         messages: Sequence[Mapping[str, Any]],
         *,
         ttft_target: float | None = None,
+        tpot_target: float | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
         instances: Collection[str] | None = None,
@@ -451,6 +460,9 @@ class AsyncRouter(Runs):
         Args:
             messages: OpenAI chat messages.
             ttft_target: TTFT target, seconds (default: the target rule).
+            tpot_target: Target mean time per output token after the first,
+                seconds (default: none). BEAR then requires an instance
+                predicted to meet both (BEA follows the first tokens too).
             stream: Stream the response: returns a :class:`ChatStream` yielding
                 the engine's chunks as they arrive.
             timeout_s: This request's timeout, connect to last byte (default:
@@ -462,8 +474,8 @@ class AsyncRouter(Runs):
                 pool): a model's instances, or a gateway's routing group.
             decision: Send as this decision says, made earlier by
                 :meth:`decide` for this request (a gateway that admits on the
-                prediction decides first); ``ttft_target``, ``instances`` and
-                the output cap are then the decision's.
+                prediction decides first); ``ttft_target``, ``tpot_target``,
+                ``instances`` and the output cap are then the decision's.
             **params: Other OpenAI parameters (``max_tokens``, ``temperature``,
                 ``stop``...), passed through; ``model`` is set per instance.
 
@@ -489,6 +501,7 @@ class AsyncRouter(Runs):
             timeout_s,
             instances=instances,
             decision=decision,
+            tpot_target=tpot_target,
         )
 
     @overload
@@ -497,6 +510,7 @@ class AsyncRouter(Runs):
         prompt: str,
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -510,6 +524,7 @@ class AsyncRouter(Runs):
         prompt: str,
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -523,6 +538,7 @@ class AsyncRouter(Runs):
         prompt: str,
         *,
         ttft_target: float | None = ...,
+        tpot_target: float | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -535,6 +551,7 @@ class AsyncRouter(Runs):
         prompt: str,
         *,
         ttft_target: float | None = None,
+        tpot_target: float | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
         instances: Collection[str] | None = None,
@@ -555,6 +572,7 @@ class AsyncRouter(Runs):
             timeout_s,
             instances=instances,
             decision=decision,
+            tpot_target=tpot_target,
         )
 
     def _fallback_order(self, d: Decision) -> list[str]:

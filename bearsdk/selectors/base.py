@@ -44,6 +44,8 @@ class Option:
         queue: Requests the router counts as resident there (running + waiting).
         unfinished: Requests the router dispatched there and not seen finish.
         throughput_rps: Measured completions per second (``nan`` when unknown).
+        tpot_s: Predicted mean time per output token after the first (``nan``:
+            not asked for, see :class:`Selector`, or not known).
     """
 
     __slots__ = (
@@ -53,6 +55,7 @@ class Option:
         "model",
         "queue",
         "throughput_rps",
+        "tpot_s",
         "ttft_s",
         "unfinished",
         "utility",
@@ -69,6 +72,7 @@ class Option:
         queue: int = 0,
         unfinished: int = 0,
         throughput_rps: float = float("nan"),
+        tpot_s: float = float("nan"),
     ) -> None:
         self.instance = instance
         self.model = model
@@ -79,6 +83,7 @@ class Option:
         self.queue = queue
         self.unfinished = unfinished
         self.throughput_rps = throughput_rps
+        self.tpot_s = tpot_s
 
     def __repr__(self) -> str:
         return (
@@ -119,6 +124,12 @@ class Selector(Protocol):
     multiple of the target). The router then lets estimators stop there: an
     option's ``ttft_s`` beyond the horizon is a lower bound past it. Without
     the method every estimate is exact.
+
+    A selector that routes on TPOT too defines ``next_tokens(tpot_target_s)
+    -> int``: how many tokens after the first the estimates should follow for
+    a request with that TPOT target (``inf``: none), ``0`` for none. The
+    router then fills :attr:`Option.tpot_s` (estimators that can) and calls
+    ``select(options, ttft_target_s, tpot_target_s=...)``.
     """
 
     @property

@@ -18,6 +18,7 @@ from typing import Final
 
 import attrs
 
+from bearsdk.replay.types import MAX_NEXT_TOKENS
 from bearsdk.selectors.base import Option, Selection
 
 __all__ = ["BEAR", "Lagrangian", "LatencyAgnostic", "PrefillTPS", "TieBreaking"]
@@ -126,23 +127,52 @@ def _horizon(factor: float, target: float) -> float:
     return factor * target if math.isfinite(target) else math.inf
 
 
-def _bear(options: Sequence[Option], target: float, salt: int | None) -> Selection:
+def _bear(
+    options: Sequence[Option], target: float, salt: int | None, tpot_target: float = math.inf
+) -> Selection:
     utility = [o.utility for o in options]
-    feasible = [o.ttft_s <= target for o in options]
+    if tpot_target == math.inf:
+        feasible = [o.ttft_s <= target for o in options]
+    else:
+        # An option with no TPOT prediction (a fallback estimate) is judged on TTFT.
+        feasible = [o.ttft_s <= target and not o.tpot_s > tpot_target for o in options]
     if any(feasible):
         return Selection(
             _argmax(utility, feasible, options, salt),
             tuple(utility),
             tuple(feasible),
-            "best utility among instances predicted to meet the target",
+            "best utility among instances predicted to meet the target"
+            if tpot_target == math.inf
+            else "best utility among instances predicted to meet both targets",
         )
-    neg_ttft = [-o.ttft_s for o in options]
+    if tpot_target == math.inf:
+        neg_ttft = [-o.ttft_s for o in options]
+        return Selection(
+            _argmax(neg_ttft, None, options, salt),
+            tuple(utility),
+            tuple(feasible),
+            "no instance predicted to meet the target: lowest predicted TTFT",
+        )
+    # The least late relative to its targets: the worse of TTFT / target and
+    # TPOT / target (an unknown TPOT counts as on target).
+    neg_late = [
+        -max(o.ttft_s / target, 0.0 if math.isnan(o.tpot_s) else o.tpot_s / tpot_target)
+        for o in options
+    ]
     return Selection(
-        _argmax(neg_ttft, None, options, salt),
+        _argmax(neg_late, None, options, salt),
         tuple(utility),
         tuple(feasible),
-        "no instance predicted to meet the target: lowest predicted TTFT",
+        "no instance predicted to meet both targets: least late relative to them",
     )
+
+
+def _tpot_tokens(inst: object, att: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_NEXT_TOKENS:
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be an integer in [0, {MAX_NEXT_TOKENS}] "
+            f"(got {value!r})"
+        )
 
 
 @attrs.frozen
@@ -157,14 +187,21 @@ class BEAR(TieBreaking):
     of a decision by the target rather than by the queue ahead
     (``docs/decision-cost.md``).
 
+    A request with a TPOT target too is feasible where both are predicted to
+    be met: BEA follows ``tpot_tokens`` tokens past the first (issue 21);
+    when none is, the instance least late relative to its targets.
+
     Args:
         lam: Cost weight of the utility (eq. 4); the paper uses 5e-4.
         horizon_factor: Estimates are exact up to this multiple of the target
             and lower bounds past it (``inf``: always exact).
+        tpot_tokens: Tokens after the first over which TPOT is predicted for
+            requests with a TPOT target (``0``: ignore TPOT targets).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
+    tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
     name: str = "bear"
     latency: str = "bea"
 
@@ -172,9 +209,15 @@ class BEAR(TieBreaking):
         """How far past a request's target (seconds) its TTFT estimates must be exact."""
         return _horizon(self.horizon_factor, ttft_target_s)
 
-    def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
+    def next_tokens(self, tpot_target_s: float) -> int:
+        """Tokens to follow past the first for a request with this TPOT target."""
+        return self.tpot_tokens if tpot_target_s != math.inf else 0
+
+    def select(
+        self, options: Sequence[Option], ttft_target_s: float, tpot_target_s: float = math.inf
+    ) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s, self.seed)
+        return _bear(options, ttft_target_s, self.seed, tpot_target_s)
 
 
 @attrs.frozen
@@ -199,28 +242,46 @@ class PrefillTPS(TieBreaking):
 class Lagrangian(TieBreaking):
     """Maximise ``utility - delta * predicted TTFT`` (eq. 7); ignores targets.
 
+    With ``tpot_delta`` it also gives up utility per second of predicted TPOT
+    (over ``tpot_tokens`` tokens after the first): the same trade for the
+    token rate users feel once the answer streams.
+
     Args:
         lam: Cost weight of the utility.
         delta: Utility given up per second of predicted TTFT (``0``: the
             latency-agnostic router; large: pure TTFT minimisation).
+        tpot_delta: Utility given up per second of predicted TPOT (``0``:
+            TPOT is not predicted).
+        tpot_tokens: Tokens after the first over which TPOT is predicted.
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     delta: float = attrs.field(default=1.0, validator=_nonneg)
+    tpot_delta: float = attrs.field(default=0.0, validator=_nonneg, kw_only=True)
+    tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
     name: str = "lagrangian"
     latency: str = "bea"
 
-    def select(self, options: Sequence[Option], ttft_target_s: float) -> Selection:
+    def next_tokens(self, tpot_target_s: float) -> int:
+        """Tokens to follow past the first: ``tpot_tokens`` once TPOT is priced."""
+        return self.tpot_tokens if self.tpot_delta > 0.0 else 0
+
+    def select(
+        self, options: Sequence[Option], ttft_target_s: float, tpot_target_s: float = math.inf
+    ) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
         # An instance that can never serve the request (inf TTFT) scores -inf,
         # even with delta = 0 (inf * 0 is nan).
         scores = tuple(
-            o.utility - (self.delta * o.ttft_s if math.isfinite(o.ttft_s) else math.inf)
+            o.utility
+            - (self.delta * o.ttft_s if math.isfinite(o.ttft_s) else math.inf)
+            - (self.tpot_delta * o.tpot_s if self.tpot_delta and math.isfinite(o.tpot_s) else 0.0)
             for o in options
         )
-        return Selection(
-            self._best(scores, options), scores, None, "best utility - delta * predicted TTFT"
-        )
+        reason = "best utility - delta * predicted TTFT"
+        if self.tpot_delta:
+            reason += " - tpot_delta * predicted TPOT"
+        return Selection(self._best(scores, options), scores, None, reason)
 
 
 @attrs.frozen

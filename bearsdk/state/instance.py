@@ -112,6 +112,8 @@ class Estimate:
         lower_bound: ``ttft_s`` is past the horizon asked for and only a lower
             bound (mode ``"bound"``: from the prefill queued ahead alone, with
             nothing replayed; see :meth:`InstanceState.ttft`).
+        tpot_s: Predicted mean time per output token after the first, over
+            the ``next_tokens`` asked for (``nan``: not asked, or not known).
     """
 
     ttft_s: float
@@ -119,6 +121,7 @@ class Estimate:
     age_s: float
     pending: int = 0
     lower_bound: bool = False
+    tpot_s: float = math.nan
 
 
 @attrs.define
@@ -283,6 +286,7 @@ class InstanceState:
         now: float | None = None,
         view: InstanceView | None = None,
         horizon_s: float = math.inf,
+        next_tokens: int = 0,
     ) -> Estimate:
         """Predict the TTFT of a new request sent to this instance now.
 
@@ -299,6 +303,10 @@ class InstanceState:
                 (:meth:`~bearsdk.estimators.bea.BEAEstimator.bound`), else by a
                 replay stopped there. The cost is then bounded by the horizon,
                 not by the queue (``docs/decision-cost.md``).
+            next_tokens: Also predict its TPOT: the replay goes on past the
+                first token until this many more are sampled
+                (:attr:`Estimate.tpot_s`). Only a replay knows it: the
+                fallback and the bound leave it ``nan``.
 
         Returns:
             The estimate and how it was made.
@@ -325,6 +333,19 @@ class InstanceState:
                 if lb > horizon_s:
                     return self._set(Estimate(lb, "bound", age, 0, True), now)
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
+        if next_tokens > 0:
+            e = est.estimate(
+                prep,
+                prompt_tokens,
+                output_len,
+                max_tokens=max_tokens,
+                horizon_s=horizon_s,
+                arrival_s=elapsed,
+                next_tokens=next_tokens,
+            )
+            t = e.ttft_s
+            tpot = math.nan if e.tpot_s is None else e.tpot_s
+            return self._set(Estimate(t, mode, age, pending, t > horizon_s, tpot), now)
         if output_len is None:
             t = est.estimate(
                 prep,

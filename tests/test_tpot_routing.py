@@ -1,0 +1,104 @@
+"""Routing on TPOT (issue 21): BEAR's feasibility with both targets, the Lagrangian's
+TPOT term, and the router asking BEA to follow the first tokens."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+
+from bearsdk.emulator import EnginePool
+from bearsdk.router import AsyncRouter, InstanceConfig, RequestError
+from bearsdk.selectors import BEAR, Lagrangian, LatencyAgnostic, Option
+
+MSG = [{"role": "user", "content": "Explain in 2 sentences why the sky is blue."}]
+
+
+def _opt(name: str, utility: float, ttft: float, tpot: float) -> Option:
+    return Option(name, "m", utility, 0.0, utility, ttft, tpot_s=tpot)
+
+
+def test_bear_needs_both_targets_when_a_tpot_target_is_given() -> None:
+    opts = [_opt("fast-first", 0.9, 0.1, 0.08), _opt("steady", 0.7, 0.3, 0.02)]
+    sel = BEAR()
+    # TTFT alone: the better utility meets it.
+    assert sel.select(opts, 0.5).index == 0
+    got = sel.select(opts, 0.5, tpot_target_s=0.05)
+    assert got.index == 1
+    assert got.feasible == (False, True)
+    assert "both targets" in got.reason
+    # An unknown TPOT (a fallback estimate) is judged on its TTFT alone.
+    opts[0].tpot_s = math.nan
+    assert sel.select(opts, 0.5, tpot_target_s=0.05).index == 0
+
+
+def test_bear_with_no_instance_meeting_both_takes_the_least_late() -> None:
+    opts = [_opt("a", 0.9, 0.2, 0.2), _opt("b", 0.5, 0.9, 0.06), _opt("c", 0.1, 0.3, 0.09)]
+    got = BEAR().select(opts, 0.25, tpot_target_s=0.05)
+    # Lateness relative to the targets: a 4x (TPOT), b 3.6x (TTFT), c 1.8x.
+    assert got.index == 2
+    assert not any(got.feasible or ())
+    assert "least late" in got.reason
+
+
+def test_only_selectors_that_route_on_tpot_ask_for_it() -> None:
+    assert BEAR().next_tokens(0.05) == 32
+    assert BEAR().next_tokens(math.inf) == 0
+    assert BEAR(tpot_tokens=0).next_tokens(0.05) == 0
+    assert Lagrangian().next_tokens(0.05) == 0
+    assert Lagrangian(tpot_delta=2.0, tpot_tokens=8).next_tokens(math.inf) == 8
+    assert not hasattr(LatencyAgnostic(), "next_tokens")
+    for bad in (-1, 5000, 1.5, True):
+        with pytest.raises(ValueError, match="tpot_tokens"):
+            BEAR(tpot_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_the_lagrangian_prices_tpot_when_told_to() -> None:
+    opts = [_opt("a", 0.9, 0.1, 0.10), _opt("b", 0.85, 0.1, 0.02)]
+    assert Lagrangian(delta=1.0).select(opts, math.inf).index == 0
+    got = Lagrangian(delta=1.0, tpot_delta=1.0).select(opts, math.inf)
+    assert got.index == 1
+    assert got.scores[1] == pytest.approx(0.85 - 0.1 - 0.02)
+    assert "TPOT" in got.reason
+
+
+def _configs(pool: EnginePool) -> list[InstanceConfig]:
+    return [
+        InstanceConfig(
+            name=e.instance, url=e.url, model=e.model_name, profile=e.config.profile, timeout_s=20.0
+        )
+        for e in pool
+    ]
+
+
+async def test_a_tpot_target_has_bea_follow_the_first_tokens_at_every_instance() -> None:
+    async with (
+        EnginePool.of("qwen3-0.6b-h100", "qwen3-8b-h100") as pool,
+        AsyncRouter(_configs(pool), BEAR()) as router,
+    ):
+        with anyio.fail_after(5):
+            for n in router.instances:
+                await router.cache(n).wait_version(0)
+        plain = router.decide(MSG, ttft_target=1.0)
+        assert all(math.isnan(c.tpot_s) for c in plain.candidates)
+        assert plain.tpot_target_s == math.inf
+        d = router.decide(MSG, ttft_target=1.0, tpot_target=0.5)
+        assert d.tpot_target_s == 0.5
+        # An idle engine: TPOT is the decode-only batch time of each model.
+        tpot = {c.instance: c.tpot_s for c in d.candidates}
+        assert all(0.0 < t < 0.5 for t in tpot.values()), tpot
+        small, large = (e.instance for e in pool)
+        assert tpot[small] < tpot[large]
+        assert "TPOT 500.0 ms" in d.explain()
+        assert "tpot" in d.explain()
+        # Nothing meets a 1 us TPOT: the least late instance, said so.
+        late = router.decide(MSG, ttft_target=1.0, tpot_target=1e-6)
+        assert late.instance == small
+        assert "least late" in late.reason
+        for bad in (0, -1.0, math.nan, "fast", True):
+            with pytest.raises(RequestError, match="tpot_target"):
+                router.decide(MSG, tpot_target=bad)  # type: ignore[arg-type]
+        # chat() takes the target for itself: it never reaches the engine's body.
+        resp = await router.chat(MSG, ttft_target=1.0, tpot_target=0.5, max_tokens=4)
+        assert resp.instance in {small, large}
