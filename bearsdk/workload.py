@@ -54,6 +54,7 @@ from bearsdk.router.targets import PaperTargets, TargetRule
 __all__ = [
     "TABLE2_MODELS",
     "TASKS",
+    "TPOT_TARGETS_S",
     "TRACES",
     "TaskProfile",
     "Trace",
@@ -89,6 +90,23 @@ class TaskProfile:
 def _acc(a: float, b: float, c: float) -> dict[str, float]:
     return dict(zip(TABLE2_MODELS, (a, b, c), strict=True))
 
+
+TPOT_TARGETS_S: Final = {
+    "alpaca": 0.05,
+    "hotpotqa": 0.05,
+    "govreport": 0.1,
+    "writingprompts": 0.1,
+}
+"""Default TPOT target per task (seconds per output token after the first).
+
+Interactive answers (chat, QA) stream at 20 tokens/s or faster, about three
+times a fast reader's pace, the interactive TPOT that SLO-aware routers are
+configured with; long outputs read as a document (summaries, stories) get
+100 ms. DistServe (Zhong et al., OSDI 2024, Table 1) set 0.1-0.2 s for
+chatbot and summarization on 13B-175B models on A100s: the paper's pool
+(0.6B-32B on H100s) decodes several times faster, so the same user
+experience is the tighter number here.
+"""
 
 TASKS: Final = {
     "alpaca": TaskProfile(

@@ -1030,6 +1030,8 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                     return R_FIRST_TOKEN  # preempted past its first token for good
                 if not st.pending_new:
                     return R_NEVER
+                if st.arrival == INFINITY:
+                    return R_LIMIT  # the residents alone (residents()), run dry
                 # Idle until the new request arrives.
                 st.t = st.arrival
                 wq_push_back(st, st.new_slot)
@@ -1586,6 +1588,16 @@ cdef class Replayer:
         if rc == R_HORIZON:
             return ReplayResult(0, self.st.t, StopReason.HORIZON, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
+
+    def residents(self, Prepared prepared, coeffs, max_batches):
+        """Replay the snapshot's requests alone; the twin's ``residents``."""
+        cdef int64_t limit = check_tokens(max_batches, "max_batches", 0)
+        self._start(prepared, 1, 1, -1, coeffs, False, None, INFINITY)
+        cdef int rc
+        if limit > 0:
+            with nogil:
+                rc = go(&self.st, limit)
+        return self.st.k, self.st.t
 
     @property
     def last_work(self):

@@ -1446,6 +1446,8 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
                     return R_FIRST_TOKEN  # preempted past its first token for good
                 if not st.pending_new:
                     return R_NEVER
+                if st.arrival == INFINITY:
+                    return R_LIMIT  # the residents alone (residents()), run dry
                 # Idle until the new request arrives.
                 st.t = st.arrival
                 wq_push_back(st, st.new_slot)
@@ -2018,6 +2020,18 @@ cdef class Replayer:
         if rc == R_HORIZON:
             return ReplayResult(0, self.st.t, StopReason.HORIZON, batches)
         return ReplayResult(0, float("inf"), StopReason.NEVER_ADMITTED, batches)
+
+    def residents(self, prepared, coeffs, max_batches):
+        """Replay the snapshot's requests alone; the twin's ``residents``."""
+        if type(prepared) is not Prepared:
+            return self._apc_of(prepared).residents(prepared, coeffs, max_batches)
+        cdef int64_t limit = check_tokens(max_batches, "max_batches", 0)
+        self._start(prepared, 1, 1, -1, coeffs, False, INFINITY)
+        cdef int rc
+        if limit > 0:
+            with nogil:
+                rc = run_dispatch(self.code, &self.st, limit)
+        return self.st.k, self.st.t
 
     cdef object _apc_of(self, prepared):
         if self._apc is None or type(prepared) is not _replay_apc_c.Prepared:

@@ -156,6 +156,8 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
                 len(refs),
             )
             assert cr.last_work > 0
+            # The residents alone (last: it replays over this replayer's pool).
+            assert cr.residents(cp, COEFFS, stop_after) == py.residents(pp, COEFFS, stop_after)
 
 
 def test_a_replay_that_names_blocks_from_a_run_and_evicts_matches_the_twin() -> None:

@@ -299,6 +299,12 @@ def _check(pol: BoundScheduler, w: dict[str, Any]) -> None:
             assert not math.isfinite(got.ttft_s)
         assert got.token_batches == ref.token_batches, where
         assert got.token_times_s == pytest.approx(ref.token_times_s, rel=1e-9, abs=1e-12), where
+        # The residents alone (the baseline an admission's harm is measured against).
+        for limit in (0, 1, 7, len(ref.batches) + 3):
+            want = tw.residents(tw.prepare(w["table"]), COEFFS, limit)
+            got_r = c.residents(c.prepare(w["table"]), COEFFS, limit)
+            assert got_r[0] == want[0], where
+            assert got_r[1] == pytest.approx(want[1], rel=1e-9, abs=1e-12), where
         if ref.first_token_batch:
             tb = ref.token_batches
             assert tb[0] == ref.first_token_batch, where

@@ -102,3 +102,90 @@ async def test_a_tpot_target_has_bea_follow_the_first_tokens_at_every_instance()
         # chat() takes the target for itself: it never reaches the engine's body.
         resp = await router.chat(MSG, ttft_target=1.0, tpot_target=0.5, max_tokens=4)
         assert resp.instance in {small, large}
+
+
+def test_recent_prefill_load_stretches_the_predicted_tpot() -> None:
+    from bearsdk.bench.router import _configs
+    from bearsdk.predictors import Predictor
+    from bearsdk.router.core import RouterCore, _with_arrivals
+
+    core = RouterCore(_configs(2), BEAR(), predictor=Predictor.load_default(), clock=lambda: 10.0)
+    s = core.slot(core.instances[0])
+    assert _with_arrivals(0.02, s, 10.0) == 0.02  # nothing sent yet: the replay's own
+    for i in range(50):
+        s.stats.on_dispatch(f"r{i}", 5.0 + i * 0.1, 2000)
+    c = s.state.estimator.replay_coeffs
+    rho = s.stats.prefill_load(10.0, c[1], c[3])
+    assert 0.0 < rho < 0.9
+    assert _with_arrivals(0.02, s, 10.0) == pytest.approx(0.02 / (1.0 - rho))
+    # An instance drowning in prefill is much slower, not infinitely so.
+    for i in range(50, 2000):
+        s.stats.on_dispatch(f"r{i}", 9.0 + i * 1e-4, 8000)
+    assert _with_arrivals(0.02, s, 10.0) == pytest.approx(0.2)
+
+
+def test_the_decision_cost_bench_pairs_tpot_with_ttft_only() -> None:
+    from bearsdk.bench.decisions import tpot_cost
+
+    r = tpot_cost(10, 20)
+    assert r["decisions"] == 20
+    assert r["ttft_only"]["median_us"] > 0.0
+    assert r["with_tpot"]["median_us"] > 0.0
+    assert r["ratio_median"] > 0.0
+
+
+def test_the_harm_rule_keeps_residents_within_their_targets() -> None:
+    from bearsdk.selectors.bear import harms
+
+    def opt(base: float, with_: float, target: float) -> Option:
+        o = _opt("x", 0.9, 0.1, 0.02)
+        o.resident_itl_base_s, o.resident_itl_s, o.resident_tpot_target_s = base, with_, target
+        return o
+
+    assert harms(opt(0.020, 0.030, 0.025), "targets", math.inf)  # pushed past it
+    assert not harms(opt(0.020, 0.024, 0.025), "targets", math.inf)  # still within
+    assert not harms(opt(0.030, 0.040, 0.025), "targets", math.inf)  # already past
+    assert not harms(opt(0.020, 0.030, 0.025), "none", math.inf)
+    assert harms(opt(0.020, 0.024, math.inf), "none", 0.1)  # 20% slower than allowed
+    assert not harms(opt(math.nan, math.nan, 0.025), "targets", 0.0)  # not weighed
+    sel = BEAR()
+    opts = [opt(0.020, 0.030, 0.025), opt(0.020, 0.021, 0.025)]
+    opts[1].utility = 0.5
+    got = sel.select(opts, 0.5, tpot_target_s=0.05)
+    assert got.index == 1
+    assert got.feasible == (False, True)
+    assert BEAR(harm="none").select(opts, 0.5, tpot_target_s=0.05).index == 0
+    assert BEAR().weighs_residents(0.025)
+    assert not BEAR().weighs_residents(math.inf)
+    assert BEAR(harm="none", max_slowdown=0.2).weighs_residents(math.inf)
+    for bad in ("some", 1):
+        with pytest.raises(ValueError, match="harm"):
+            BEAR(harm=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_slowdown"):
+        BEAR(max_slowdown=-0.1)
+
+
+async def test_residents_with_targets_are_weighed_in_the_decision() -> None:
+    async with (
+        EnginePool.of("qwen3-8b-h100", "qwen3-8b-h100") as pool,
+        AsyncRouter(_configs(pool), BEAR()) as router,
+    ):
+        with anyio.fail_after(5):
+            for n in router.instances:
+                await router.cache(n).wait_version(0)
+        first = router.decide(MSG, ttft_target=1.0, tpot_target=0.5)
+        # No resident the router sent: nothing to weigh, nothing replayed twice.
+        assert all(math.isnan(c.harm_s) for c in first.candidates)
+        router.record_dispatch(first)
+        slot = router.core.slot(first.instance)
+        assert slot.tpot_targets == {first.request_id: 0.5}
+        d = router.decide(MSG, ttft_target=1.0, tpot_target=0.5)
+        c = next(c for c in d.candidates if c.instance == first.instance)
+        assert c.resident_tpot_target_s == 0.5
+        assert c.resident_itl_base_s > 0.0
+        assert c.resident_itl_s >= c.resident_itl_base_s
+        assert "residents" in d.explain()
+        other = next(c for c in d.candidates if c.instance != first.instance)
+        assert math.isnan(other.harm_s)
+        router.record_complete(first, first.instance, usage={"completion_tokens": 3})
+        assert slot.tpot_targets == {}

@@ -11,7 +11,10 @@ Two predictions:
 
 * ``oracle``: the snapshot with the residents' true output lengths;
 * ``predicted``: the same snapshot without them, the lengths from a mean
-  predictor fitted to the workload (what a router without lengths has).
+  predictor fitted to the workload (what a router without lengths has);
+* ``router``: ``oracle`` with the prefills still to come folded in as the
+  router folds them (``docs/tpot.md``): the eq. 12 prefill its dispatches of
+  the last 10 s brought per second, ``rho``, stretches TPOT by ``1 / (1 - rho)``.
 
 The truth is the engine's own: the end of the emulated GPU batch that computed
 each token, less any time the GPU idled because the host loop was late (a
@@ -46,7 +49,7 @@ from bearsdk.cli import positive_float, positive_int
 
 __all__ = ["register", "run"]
 
-KINDS = ("oracle", "predicted")
+KINDS = ("oracle", "predicted", "router")
 
 
 async def _run(
@@ -91,6 +94,7 @@ async def _run(
         r["later"] = bisect.bisect_right(arrivals, b) - bisect.bisect_left(arrivals, a)
     mean_out = statistics.fmean(r["out"] for r in rows)
     _predict(rows, policy, bt, next_tokens, mean_out)
+    _with_arrivals(rows, bt)
     report = _report(rows, profile, requests, rate, next_tokens, lag)
     report["_model"] = (policy, bt)
     return report
@@ -141,6 +145,21 @@ def _predict(
         r["inflight"] = e.inflight_s
 
 
+def _with_arrivals(rows: list[dict[str, Any]], bt: Any) -> None:
+    """Each row's ``router`` prediction: the arrivals before it, as the router counts them."""
+    from bearsdk.estimators.stats import InstanceStats
+
+    stats = InstanceStats()
+    c = bt.coeffs
+    for i, r in enumerate(sorted(rows, key=lambda r: r["arrival"])):
+        if r["oracle"] is not None:
+            rho = min(stats.prefill_load(r["arrival"], c[1], c[3]), 0.9)
+            r["router"] = r["oracle"] / (1.0 - rho)
+        else:
+            r["router"] = None
+        stats.on_dispatch(f"r{i}", r["arrival"], r["prompt"])
+
+
 def _unknown(q: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in q.items() if k != "output_len"}
 
@@ -170,7 +189,7 @@ def _report(
     next_tokens: int,
     lag: Any,
 ) -> dict[str, Any]:
-    ok = [r for r in rows if r["oracle"] is not None and r["predicted"] is not None]
+    ok = [r for r in rows if all(r[k] is not None for k in KINDS)]
     alone = [r for r in ok if r["later"] == 0]
     tp = sorted(r["tpot"] for r in ok)
     return {
@@ -277,6 +296,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     print(
         f"  MAPE  oracle lengths {m['oracle']:6.2f} %   predicted lengths {m['predicted']:6.2f} %"
+        f"   with the arrivals to come (the router's) {m['router']:6.2f} %"
     )
     iso = report["mape_pct_isolated"]
     if iso:

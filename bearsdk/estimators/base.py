@@ -20,7 +20,7 @@ import attrs
 
 from bearsdk.snapshot import Snapshot
 
-__all__ = ["InstanceView", "LatencyEstimator", "RequestInfo"]
+__all__ = ["InstanceView", "Latency", "LatencyEstimator", "RequestInfo"]
 
 
 def _positive_int(inst: object, att: attrs.Attribute[int], value: int) -> None:
@@ -138,3 +138,33 @@ class LatencyEstimator(Protocol):
     def estimate_ttft(self, request: RequestInfo, view: InstanceView) -> float:
         """Return the estimated time to first token, seconds (``inf``: would not be served)."""
         ...
+
+
+@attrs.frozen
+class Latency:
+    """One instance's TTFT estimate for one request.
+
+    Attributes:
+        ttft_s: Predicted time to first token, seconds (``inf``: never served;
+            ``nan``: no estimate).
+        estimator: What made it, as decisions show it (``"bea"``, ``"lps"``...).
+        age_s: Age of the snapshot behind it (``inf``: none).
+        replayed: It replays the engine alone: the router adds the dispatch
+            overhead it learns from observed first tokens.
+        lower_bound: ``ttft_s`` is past the horizon the router asked for and
+            only a lower bound (see :class:`InstanceEstimator`).
+        tpot_s: Predicted mean time per output token after the first (``nan``:
+            not asked for, or the estimator cannot tell).
+        resident_itl_s: The instance's residents' predicted inter-token time
+            over the new request's window with it admitted (``nan``: not asked).
+        resident_itl_base_s: The same without it.
+    """
+
+    ttft_s: float
+    estimator: str
+    age_s: float = math.inf
+    replayed: bool = False
+    lower_bound: bool = False
+    tpot_s: float = math.nan
+    resident_itl_s: float = math.nan
+    resident_itl_base_s: float = math.nan

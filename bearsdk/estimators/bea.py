@@ -65,6 +65,10 @@ def _arrival(arrival_s: float) -> float:
     return check_arrival(arrival_s)
 
 
+# Residents baselines kept per prepared state (one per window length asked).
+_RESIDENTS_MEMO = 32
+
+
 @attrs.frozen
 class TTFTEstimate:
     """A BEA prediction.
@@ -84,6 +88,9 @@ class TTFTEstimate:
             after the first, over the tokens followed (``None``: fewer than two).
         gap_p90_s: With ``next_tokens``: the 90th percentile of the predicted
             gaps between those tokens.
+        window_s: With ``next_tokens``: the replay's time at the end of the
+            batch of the last token followed, from the replay's start (the
+            window over which an admission's harm to residents is measured).
     """
 
     ttft_s: float
@@ -94,6 +101,7 @@ class TTFTEstimate:
     token_batches: tuple[int, ...] = ()
     tpot_s: float | None = None
     gap_p90_s: float | None = None
+    window_s: float | None = None
 
     @property
     def lower_bound(self) -> bool:
@@ -131,6 +139,11 @@ class PreparedSnapshot:
     # (replay horizon, time reached, coefficients, arrival), see BEAEstimator.ttft.
     horizon_stops: list[tuple[float, float, tuple[float, ...], float]] = attrs.field(
         factory=list, init=False, repr=False
+    )
+    # The residents replayed alone, by (coefficients, batches): the baseline of an
+    # admission's harm is the same for every request and candidate (BEAEstimator.residents).
+    residents_memo: dict[tuple[tuple[float, ...], int], tuple[int, float]] = attrs.field(
+        factory=dict, init=False, repr=False
     )
 
 
@@ -262,6 +275,25 @@ class BEAEstimator:
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
         return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(replayer.policy, snapshot))
 
+    def residents(self, prepared: PreparedSnapshot, batches: int) -> tuple[int, float]:
+        """The snapshot's requests alone for ``batches`` batches: ``(formed, seconds)``.
+
+        The baseline an admission's harm to the residents is measured against
+        (``docs/tpot.md``), remembered on ``prepared`` (it does not depend on
+        the new request): with one prepared state per snapshot and overlay, the
+        second replay is paid once, not once per request.
+        """
+        coeffs = self._coeffs
+        memo = prepared.residents_memo
+        key = (coeffs, batches)
+        got = memo.get(key)
+        if got is None:
+            got = prepared.replayer.residents(prepared.state, coeffs, batches)
+            if len(memo) >= _RESIDENTS_MEMO:
+                del memo[next(iter(memo))]
+            memo[key] = got
+        return got
+
     def bound(self, prepared: PreparedSnapshot, prompt_tokens: int) -> float:
         """A lower bound on :meth:`ttft` for a new request, in O(1).
 
@@ -366,6 +398,7 @@ class BEAEstimator:
             token_batches=res.token_batches,
             tpot_s=res.tpot_s,
             gap_p90_s=res.gap_p90_s,
+            window_s=res.token_times_s[-1] if res.token_times_s else None,
         )
 
     def ttft(

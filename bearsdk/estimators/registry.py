@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import attrs
 
 from bearsdk.errors import BearError
-from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
+from bearsdk.estimators.base import InstanceView, Latency, LatencyEstimator, RequestInfo
 
 if TYPE_CHECKING:
     from bearsdk.estimators.batch_time import BatchTimeModel
@@ -73,31 +73,6 @@ class EstimatorContext:
     view: Callable[[float], InstanceView]
 
 
-@attrs.frozen
-class Latency:
-    """One instance's TTFT estimate for one request.
-
-    Attributes:
-        ttft_s: Predicted time to first token, seconds (``inf``: never served;
-            ``nan``: no estimate).
-        estimator: What made it, as decisions show it (``"bea"``, ``"lps"``...).
-        age_s: Age of the snapshot behind it (``inf``: none).
-        replayed: It replays the engine alone: the router adds the dispatch
-            overhead it learns from observed first tokens.
-        lower_bound: ``ttft_s`` is past the horizon the router asked for and
-            only a lower bound (see :class:`InstanceEstimator`).
-        tpot_s: Predicted mean time per output token after the first (``nan``:
-            not asked for, or the estimator cannot tell).
-    """
-
-    ttft_s: float
-    estimator: str
-    age_s: float = math.inf
-    replayed: bool = False
-    lower_bound: bool = False
-    tpot_s: float = math.nan
-
-
 @runtime_checkable
 class InstanceEstimator(Protocol):
     """A per-instance estimator that reads the instance's state itself.
@@ -109,7 +84,8 @@ class InstanceEstimator(Protocol):
     :attr:`Latency.lower_bound` set. One that also takes a keyword
     ``next_tokens`` (class attribute ``tpot_aware = True``) is asked, for
     requests with a TPOT target, to predict :attr:`Latency.tpot_s` over that
-    many tokens after the first.
+    many tokens after the first, and with ``residents=True`` the harm to the
+    instance's residents (:attr:`Latency.resident_itl_s`).
     """
 
     def estimate(
@@ -225,6 +201,7 @@ class _BEA:
         now: float,
         horizon_s: float = math.inf,
         next_tokens: int = 0,
+        residents: bool = False,
     ) -> Latency:
         # The router's statistics only matter to the fallback estimator:
         # summarise them only when the snapshot cannot be replayed.
@@ -237,10 +214,20 @@ class _BEA:
             view=view,
             horizon_s=horizon_s,
             next_tokens=next_tokens,
+            residents=residents,
         )
         if e.mode == "fallback":
             return Latency(e.ttft_s, "lps", e.age_s)
-        return Latency(e.ttft_s, e.mode, e.age_s, True, e.lower_bound, e.tpot_s)
+        return Latency(
+            e.ttft_s,
+            e.mode,
+            e.age_s,
+            True,
+            e.lower_bound,
+            e.tpot_s,
+            e.resident_itl_s,
+            e.resident_itl_base_s,
+        )
 
 
 class _NoLatency:
@@ -284,3 +271,12 @@ register_estimator("routebalance", _shared("RouteBalanceEstimator"))
 register_estimator("lmdeploy", _shared("LMDeployProxyEstimator"))
 register_estimator("semantic-router", _shared("SemanticRouterEstimator"))
 register_estimator("none", _NoLatency)
+
+
+def _learned(ctx: EstimatorContext) -> InstanceEstimator:
+    from bearsdk.estimators.learned import LearnedLatency
+
+    return LearnedLatency(ctx)
+
+
+register_estimator("learned", _learned)

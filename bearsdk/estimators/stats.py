@@ -79,6 +79,10 @@ class _Window:
     def n(self) -> int:
         return len(self._t)
 
+    @property
+    def first_t(self) -> float:
+        return self._t[0]
+
     def mean(self) -> float | None:
         return self.sa / len(self._t) if self._t else None
 
@@ -148,6 +152,7 @@ class InstanceStats:
     _tpots: _Window = attrs.field(init=False)
     _prefill: _Window = attrs.field(init=False)
     _batches: _Window = attrs.field(init=False)
+    _load: _Window = attrs.field(init=False)
     _ttfts: deque[float] = attrs.field(init=False, factory=deque)
     _busy: deque[tuple[float, float]] = attrs.field(init=False, factory=deque)
     _busy_since: float | None = attrs.field(init=False, default=None)
@@ -178,6 +183,7 @@ class InstanceStats:
         self._tpots = _Window(cap)
         self._prefill = _Window(cap)
         self._batches = _Window(cap)
+        self._load = _Window(cap)
         self._router_sat = _TimeAverage(self.window_s)
         self._engine_sat = _TimeAverage(self.window_s)
 
@@ -230,10 +236,32 @@ class InstanceStats:
         self._reqs[request_id] = req
         self._waiting += 1
         self._dispatched += 1
+        # Eq. 12's prefill terms of its prompt: tokens, and attention (chunks telescope).
+        self._load.push(now, float(prompt_tokens), prompt_tokens * (prompt_tokens + 1) / 2.0)
         if self._last_arrival is not None:
             self._gaps.push(now, max(0.0, now - self._last_arrival))
         self._last_arrival = now
         self._router_state(now)
+
+    def prefill_load(self, now: float, b1: float, b3: float, horizon_s: float = 10.0) -> float:
+        """Seconds of prefill per second that this router's recent dispatches brought.
+
+        Each dispatch's prompt priced by eq. 12's dense and attention terms
+        (``b1`` per token, ``b3`` per attention unit), over the last
+        ``horizon_s`` seconds (or the span of the samples kept, when more
+        arrived): what the requests still to come will likely add to every
+        batch a request decodes in (:meth:`RouterCore.decide` uses it for TPOT).
+        """
+        w = self._load
+        w.prune(now - horizon_s)
+        if not w.n or self._started is None:
+            return 0.0
+        span = min(horizon_s, now - self._started)
+        if w.n >= w.cap:
+            span = min(span, now - w.first_t)
+        if span <= 0.0:
+            return 0.0
+        return (b1 * w.sa + b3 * w.sb) / span
 
     def on_first_token(self, request_id: str, now: float) -> float:
         """The request's first token arrived; return its TTFT (seconds)."""

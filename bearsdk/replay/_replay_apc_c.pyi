@@ -46,6 +46,9 @@ class Replayer:
         horizon_s: float = ...,
         arrival_s: float = ...,
     ) -> float: ...
+    def residents(
+        self, prepared: Prepared, coeffs: Sequence[float], max_batches: int
+    ) -> tuple[int, float]: ...
     def replay(
         self,
         prepared: Prepared,

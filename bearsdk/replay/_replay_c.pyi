@@ -41,6 +41,9 @@ class Replayer:
         horizon_s: float = ...,
         arrival_s: float = ...,
     ) -> float: ...
+    def residents(
+        self, prepared: Prepared | _replay_apc_c.Prepared, coeffs: Sequence[float], max_batches: int
+    ) -> tuple[int, float]: ...
     def replay(
         self,
         prepared: Prepared | _replay_apc_c.Prepared,

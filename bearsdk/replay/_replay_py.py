@@ -125,6 +125,29 @@ class Replayer:
             arrival_s=arrival_s,
         ).ttft_s
 
+    def residents(
+        self, prepared: Prepared, coeffs: Sequence[float], max_batches: int
+    ) -> tuple[int, float]:
+        """Replay the snapshot's requests alone, with no new request.
+
+        What the residents' next batches cost if nothing is added: the
+        baseline against which an admission's harm to them is measured
+        (``docs/tpot.md``).
+
+        Args:
+            prepared: State from :meth:`prepare` (not modified).
+            coeffs: Eq. 12 coefficients, as :meth:`replay` takes them.
+            max_batches: Stop after this many batches.
+
+        Returns:
+            ``(batches, seconds)``: the batches formed (fewer than
+            ``max_batches`` when the engine runs dry first) and their summed
+            eq. 12 time.
+        """
+        limit = check_tokens(max_batches, "max_batches", 0)
+        run = SchedulerCore.from_prepared(self._geo, prepared, False, coeffs)
+        return run.run_residents(limit, MAX_REPLAY_WORK_PY)
+
     def replay(
         self,
         prepared: Prepared,

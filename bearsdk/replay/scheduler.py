@@ -464,6 +464,29 @@ class SchedulerCore:
                 continue
             self.process(self.queue.popleft())
 
+    def run_residents(self, max_batches: int, max_work: int) -> tuple[int, float]:
+        """Run the requests held alone for up to ``max_batches`` batches (see
+        ``Replayer.residents``): the batches run and their summed time."""
+        depth = self.geo.depth
+        k = 0
+        t = 0.0
+        work = 0
+        while k < max_batches:
+            batch = self.schedule()
+            work += 1 + len(self.running) + len(batch.sched)
+            if batch.sched:
+                k += 1
+                t += self.account(batch)
+            elif all(q.inert() for q in self.queue):
+                break  # run dry: nothing left that could form a batch
+            if work >= max_work:
+                break
+            self.queue.append(batch)
+            if len(self.queue) < depth:
+                continue
+            self.process(self.queue.popleft())
+        return k, t
+
     def _result(self, tk: list[int], tt: list[float]) -> ReplayResult:
         return ReplayResult(
             tk[0],

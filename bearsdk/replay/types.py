@@ -389,6 +389,13 @@ class ReplayerProtocol(Protocol):
         """
         ...
 
+    def residents(
+        self, prepared: Any, coeffs: Sequence[float], max_batches: int
+    ) -> tuple[int, float]:
+        """The snapshot's requests alone, no new request: ``(batches, seconds)`` of
+        the first ``max_batches`` batches (fewer when the engine runs dry)."""
+        ...
+
     def replay(
         self,
         prepared: Any,

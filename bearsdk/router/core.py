@@ -137,6 +137,9 @@ class InstanceSlot:
     overhead_at: float = -math.inf
     # One per estimator name a selector asked for, built on first use.
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
+    # The TPOT targets of the requests sent here and not finished (by request id):
+    # the residents an admission must not push past theirs (issue 21).
+    tpot_targets: dict[str, float] = attrs.Factory(dict)
     # The instance's real speed against its base coefficients, from its snapshots.
     speed: SpeedTracker | None = None
     speed_anchor: Snapshot | None = None
@@ -145,6 +148,24 @@ class InstanceSlot:
     def name(self) -> str:
         """The instance's name."""
         return self.config.name
+
+
+_MAX_PREFILL_SHARE: Final = 0.9
+
+
+def _with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
+    """The replay's TPOT, with the prefills still to come folded in.
+
+    The replay knows the requests in the snapshot; while a request streams its
+    answer others arrive, and with chunked prefill their prompts ride in the
+    very batches it decodes in. If recent dispatches brought ``rho`` seconds
+    of prefill per second, each second of its decoding stretches to
+    ``1 / (1 - rho)``. The share is capped: an instance already saturated
+    with prefill is not made infinitely slow, only much slower.
+    """
+    c = s.state.estimator.replay_coeffs
+    rho = min(s.stats.prefill_load(now, c[1], c[3]), _MAX_PREFILL_SHARE)
+    return tpot_s / (1.0 - rho)
 
 
 class RouterCore:
@@ -476,6 +497,9 @@ class RouterCore:
                 overhead_s=overhead,
                 ttft_lower_bound=bound,
                 tpot_s=o.tpot_s,
+                resident_itl_s=o.resident_itl_s,
+                resident_itl_base_s=o.resident_itl_base_s,
+                resident_tpot_target_s=o.resident_tpot_target_s,
             )
             for i, (o, est, age, ptok, out, speed, overhead, bound) in enumerate(cands)
         )
@@ -519,6 +543,7 @@ class RouterCore:
     ) -> list[tuple[Option, str, float, int, int, float, float, bool]]:
         lam = self.selector.lam
         kind = self.selector.latency
+        weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
         out_rows: list[tuple[Option, str, float, int, int, float, float, bool]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
@@ -534,11 +559,18 @@ class RouterCore:
             est = s.estimators.get(kind)
             if est is None:
                 est = self._estimator(s, kind)
+            tight = min(s.tpot_targets.values(), default=math.inf)
             if next_tokens and getattr(est, "tpot_aware", False):
                 ov = _overhead(s, now)
                 left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
                 lat = est.estimate(  # type: ignore[call-arg]
-                    ptok, out, max_tokens, now, left, next_tokens=next_tokens
+                    ptok,
+                    out,
+                    max_tokens,
+                    now,
+                    left,
+                    next_tokens=next_tokens,
+                    residents=weigh is not None and bool(weigh(tight)),
                 )
                 overhead = ov if lat.replayed else 0.0
             elif horizon != math.inf and getattr(est, "horizon_aware", False):
@@ -551,6 +583,11 @@ class RouterCore:
             else:
                 lat = est.estimate(ptok, out, max_tokens, now)
                 overhead = _overhead(s, now) if lat.replayed else 0.0
+            tpot = lat.tpot_s
+            itl, itl_base = lat.resident_itl_s, lat.resident_itl_base_s
+            if next_tokens and (math.isfinite(tpot) or math.isfinite(itl)):
+                stretch = _with_arrivals(1.0, s, now)
+                tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
             option = Option(
                 s.name,
                 s.config.model,
@@ -560,7 +597,10 @@ class RouterCore:
                 lat.ttft_s + overhead,
                 s.inflight,
                 s.inflight,
-                tpot_s=lat.tpot_s,
+                tpot_s=tpot,
+                resident_itl_s=itl,
+                resident_itl_base_s=itl_base,
+                resident_tpot_target_s=tight,
             )
             speed = 1.0 if s.speed is None else s.speed.factor
             out_rows.append(
@@ -601,16 +641,23 @@ class RouterCore:
         """A request following ``d`` was sent to ``s`` at ``now``."""
         c = next(c for c in d.candidates if c.instance == s.name)
         s.inflight += 1
+        if d.tpot_target_s != math.inf:
+            s.tpot_targets[d.request_id] = d.tpot_target_s
         s.state.on_dispatch(d.request_id, c.prompt_tokens, c.output_tokens, now=now)
         if s.shadow is not None:
             s.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
         s.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
+        for est in s.estimators.values():
+            learn = getattr(est, "learn_dispatch", None)
+            if learn is not None:
+                learn(d.request_id, c.prompt_tokens, now)
         for hook in self.hooks.on_dispatch:
             hook(d, s.name, now)
 
     def unsent(self, s: InstanceSlot, d: Decision) -> None:
         """A sent request never reached the engine (or was refused): off the books."""
         s.inflight -= 1
+        s.tpot_targets.pop(d.request_id, None)
         now = self.clock()
         s.state.on_complete(d.request_id, now=now)
         s.stats.on_abort(d.request_id, now)
@@ -623,6 +670,10 @@ class RouterCore:
         s.breaker.on_answer()
         s.state.on_tokens(d.request_id, 1)
         s.stats.on_first_token(d.request_id, now)
+        for est in s.estimators.values():
+            learn = getattr(est, "learn_first_token", None)
+            if learn is not None:
+                learn(d.request_id, observed, now)
         if s.shadow is not None:
             s.shadow.on_tokens(d.request_id, 1)
         if s.name == d.instance:
@@ -658,6 +709,7 @@ class RouterCore:
         """A request at ``s`` ended (``"ok"``, ``"error"`` or ``"cancelled"``)."""
         now = self.clock()
         s.inflight -= 1
+        s.tpot_targets.pop(d.request_id, None)
         out = None if not usage else usage.get("completion_tokens")
         known = out if outcome == "ok" and isinstance(out, int) and out > 0 else None
         s.state.on_complete(d.request_id, now=now, output_tokens=known)
@@ -674,6 +726,10 @@ class RouterCore:
             )
         else:
             s.stats.on_abort(d.request_id, now)
+        for est in s.estimators.values():
+            learn = getattr(est, "learn_complete", None)
+            if learn is not None:
+                learn(d.request_id, known, now)
         for hook in self.hooks.on_complete:
             hook(d, s.name, outcome)
 

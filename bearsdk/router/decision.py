@@ -44,6 +44,12 @@ class Candidate:
             (``docs/decision-cost.md``).
         tpot_s: Predicted mean time per output token after the first, for a
             request with a TPOT target (``nan``: not predicted).
+        resident_itl_s: The instance's decoding residents' predicted
+            inter-token time over the request's window with it sent there
+            (``nan``: not weighed; see :class:`~bearsdk.selectors.BEAR`'s ``harm``).
+        resident_itl_base_s: The same without it: the harm is the difference.
+        resident_tpot_target_s: The tightest TPOT target among the requests the
+            router had there (``inf``: none).
     """
 
     instance: str
@@ -63,6 +69,14 @@ class Candidate:
     overhead_s: float = 0.0
     ttft_lower_bound: bool = False
     tpot_s: float = math.nan
+    resident_itl_s: float = math.nan
+    resident_itl_base_s: float = math.nan
+    resident_tpot_target_s: float = math.inf
+
+    @property
+    def harm_s(self) -> float:
+        """How much slower the residents' tokens come if it goes here (``nan``: not weighed)."""
+        return self.resident_itl_s - self.resident_itl_base_s
 
 
 @attrs.frozen
@@ -132,6 +146,11 @@ class Decision:
                 extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
             ge = ">=" if c.ttft_lower_bound else "  "
             tpot = "" if math.isnan(c.tpot_s) else f" tpot {c.tpot_s * 1e3:6.2f} ms"
+            if not math.isnan(c.harm_s):
+                tpot += (
+                    f" residents {c.resident_itl_base_s * 1e3:.2f}->"
+                    f"{c.resident_itl_s * 1e3:.2f} ms/token"
+                )
             lines.append(
                 f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
                 f"u {c.utility:+.3f} ttft {ge}{c.ttft_s * 1e3:8.1f} ms{tpot}{feas} "

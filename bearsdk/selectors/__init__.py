@@ -19,6 +19,7 @@ from bearsdk.selectors.baselines import (
     ShortestQueue,
 )
 from bearsdk.selectors.bear import BEAR, Lagrangian, LatencyAgnostic, PrefillTPS
+from bearsdk.selectors.slo import SLOHeadroom
 
 __all__ = [
     "BEAR",
@@ -31,6 +32,7 @@ __all__ = [
     "PrefillTPS",
     "RoundRobin",
     "RouteBalance",
+    "SLOHeadroom",
     "Score",
     "Selection",
     "Selector",
@@ -51,6 +53,7 @@ SELECTORS: dict[str, type] = {
     "semantic-router": SemanticRouter,
     "score": Score,
     "routebalance": RouteBalance,
+    "slo-headroom": SLOHeadroom,
 }
 """Built-in selectors by name."""
 

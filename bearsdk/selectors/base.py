@@ -23,6 +23,7 @@ LATENCY_KINDS = (
     "routebalance",
     "lmdeploy",
     "semantic-router",
+    "learned",  # llm-d-style online regressors (bearsdk.estimators.learned)
     "none",
 )
 """The TTFT estimates a selector can ask the router for (``Selector.latency``)."""
@@ -46,6 +47,12 @@ class Option:
         throughput_rps: Measured completions per second (``nan`` when unknown).
         tpot_s: Predicted mean time per output token after the first (``nan``:
             not asked for, see :class:`Selector`, or not known).
+        resident_itl_s: The instance's decoding residents' predicted
+            inter-token time over the request's window if it is sent there
+            (``nan``: not asked for, see :class:`Selector`).
+        resident_itl_base_s: The same if it is not.
+        resident_tpot_target_s: The tightest TPOT target among the requests
+            the router sent there and that are still there (``inf``: none).
     """
 
     __slots__ = (
@@ -54,6 +61,9 @@ class Option:
         "instance",
         "model",
         "queue",
+        "resident_itl_base_s",
+        "resident_itl_s",
+        "resident_tpot_target_s",
         "throughput_rps",
         "tpot_s",
         "ttft_s",
@@ -73,6 +83,9 @@ class Option:
         unfinished: int = 0,
         throughput_rps: float = float("nan"),
         tpot_s: float = float("nan"),
+        resident_itl_s: float = float("nan"),
+        resident_itl_base_s: float = float("nan"),
+        resident_tpot_target_s: float = float("inf"),
     ) -> None:
         self.instance = instance
         self.model = model
@@ -84,6 +97,9 @@ class Option:
         self.unfinished = unfinished
         self.throughput_rps = throughput_rps
         self.tpot_s = tpot_s
+        self.resident_itl_s = resident_itl_s
+        self.resident_itl_base_s = resident_itl_base_s
+        self.resident_tpot_target_s = resident_tpot_target_s
 
     def __repr__(self) -> str:
         return (
@@ -129,7 +145,12 @@ class Selector(Protocol):
     -> int``: how many tokens after the first the estimates should follow for
     a request with that TPOT target (``inf``: none), ``0`` for none. The
     router then fills :attr:`Option.tpot_s` (estimators that can) and calls
-    ``select(options, ttft_target_s, tpot_target_s=...)``.
+    ``select(options, ttft_target_s, tpot_target_s=...)``. One that also
+    weighs the harm to residents defines
+    ``weighs_residents(resident_tpot_target_s) -> bool``, asked per instance
+    with the tightest TPOT target of the requests the router sent there and
+    that are still there: where it answers yes, the router fills the
+    ``resident_*`` fields (a second replay, of the residents alone).
     """
 
     @property

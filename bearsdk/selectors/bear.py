@@ -127,15 +127,42 @@ def _horizon(factor: float, target: float) -> float:
     return factor * target if math.isfinite(target) else math.inf
 
 
+HARM_RULES: Final = ("none", "targets")
+"""What BEAR's ``harm`` may be: ignore the residents, or push none past its target."""
+
+
+def harms(o: Option, rule: str, max_slowdown: float) -> bool:
+    """Whether sending the request to ``o`` would break the harm rule (``docs/tpot.md``).
+
+    ``targets``: a resident with a TPOT target the instance meets now would be
+    pushed past it; with ``max_slowdown``, the residents' inter-token time
+    would also grow by more than that fraction. Unknown (``nan``): no harm.
+    """
+    with_, base = o.resident_itl_s, o.resident_itl_base_s
+    if not (with_ > base):  # nan, or no slower
+        return False
+    if rule == "targets" and base <= o.resident_tpot_target_s < with_:
+        return True
+    return with_ > base * (1.0 + max_slowdown)
+
+
 def _bear(
-    options: Sequence[Option], target: float, salt: int | None, tpot_target: float = math.inf
+    options: Sequence[Option],
+    target: float,
+    salt: int | None,
+    tpot_target: float = math.inf,
+    harm: str = "none",
+    max_slowdown: float = math.inf,
 ) -> Selection:
     utility = [o.utility for o in options]
     if tpot_target == math.inf:
         feasible = [o.ttft_s <= target for o in options]
     else:
         # An option with no TPOT prediction (a fallback estimate) is judged on TTFT.
-        feasible = [o.ttft_s <= target and not o.tpot_s > tpot_target for o in options]
+        feasible = [
+            o.ttft_s <= target and not o.tpot_s > tpot_target and not harms(o, harm, max_slowdown)
+            for o in options
+        ]
     if any(feasible):
         return Selection(
             _argmax(utility, feasible, options, salt),
@@ -167,6 +194,22 @@ def _bear(
     )
 
 
+def _harm_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if value not in HARM_RULES:
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be one of {', '.join(HARM_RULES)} "
+            f"(got {value!r})"
+        )
+
+
+def _slowdown(inst: object, att: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be a number >= 0 (inf: no bound) "
+            f"(got {value!r})"
+        )
+
+
 def _tpot_tokens(inst: object, att: attrs.Attribute[int], value: int) -> None:
     if type(value) is not int or not 0 <= value <= MAX_NEXT_TOKENS:
         raise ValueError(
@@ -188,8 +231,9 @@ class BEAR(TieBreaking):
     (``docs/decision-cost.md``).
 
     A request with a TPOT target too is feasible where both are predicted to
-    be met: BEA follows ``tpot_tokens`` tokens past the first (issue 21);
-    when none is, the instance least late relative to its targets.
+    be met and the harm rule holds for the instance's residents: BEA follows
+    ``tpot_tokens`` tokens past the first (issue 21); when none is, the
+    instance least late relative to its targets.
 
     Args:
         lam: Cost weight of the utility (eq. 4); the paper uses 5e-4.
@@ -197,11 +241,18 @@ class BEAR(TieBreaking):
             and lower bounds past it (``inf``: always exact).
         tpot_tokens: Tokens after the first over which TPOT is predicted for
             requests with a TPOT target (``0``: ignore TPOT targets).
+        harm: ``"targets"``: no instance where the request would push a
+            resident with a TPOT target (one the router sent) past it;
+            ``"none"``: the residents are not weighed.
+        max_slowdown: Also no instance where it would slow the residents'
+            tokens by more than this fraction (``inf``: no bound).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
     tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
+    harm: str = attrs.field(default="targets", validator=_harm_rule, kw_only=True)
+    max_slowdown: float = attrs.field(default=math.inf, validator=_slowdown, kw_only=True)
     name: str = "bear"
     latency: str = "bea"
 
@@ -213,11 +264,17 @@ class BEAR(TieBreaking):
         """Tokens to follow past the first for a request with this TPOT target."""
         return self.tpot_tokens if tpot_target_s != math.inf else 0
 
+    def weighs_residents(self, resident_tpot_target_s: float) -> bool:
+        """Whether an instance's residents (tightest TPOT target given) need weighing."""
+        if self.harm == "none":
+            return self.max_slowdown != math.inf
+        return resident_tpot_target_s != math.inf or self.max_slowdown != math.inf
+
     def select(
         self, options: Sequence[Option], ttft_target_s: float, tpot_target_s: float = math.inf
     ) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s, self.seed, tpot_target_s)
+        return _bear(options, ttft_target_s, self.seed, tpot_target_s, self.harm, self.max_slowdown)
 
 
 @attrs.frozen

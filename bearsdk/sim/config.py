@@ -40,6 +40,8 @@
     trace = "azure-conv"            # azure-conv | azure-code | a CSV path
     trace_start = 0                 # first trace row used
     targets = "paper"               # appendix A.2 rule, or a fixed number of seconds
+    tpot_targets = "none"           # none | tasks (bearsdk.workload.TPOT_TARGETS_S) | seconds:
+                                    # a request is on time only if it meets both targets
     data_dir = ""                   # data folder (default: $BEARSDK_DATA, see docs/data.md)
 
     [policies]                      # built-in selectors, their parameters; lists make variants
@@ -142,6 +144,7 @@ class WorkloadSpec:
     trace: str = "azure-conv"
     trace_start: int = 0
     targets: str | float = "paper"
+    tpot_targets: str | float = "none"
     data_dir: str = ""
 
 
@@ -471,6 +474,14 @@ def _workload(d: Mapping[str, Any]) -> WorkloadSpec:
     targets = d.get("targets", "paper")
     if targets != "paper":
         targets = _number("workload", "targets", targets, 0.0, strict=True)
+    tpot = d.get("tpot_targets", "none")
+    if tpot not in ("none", "tasks"):
+        if isinstance(tpot, str):
+            raise SimConfigError(
+                f"workload.tpot_targets must be 'none', 'tasks' or a number of seconds "
+                f"(got {tpot!r})"
+            )
+        tpot = _number("workload", "tpot_targets", tpot, 0.0, strict=True)
     return WorkloadSpec(
         prompts=prompts,
         unique_prompts=_int("workload", d, "unique_prompts", 2000, 1),
@@ -480,6 +491,7 @@ def _workload(d: Mapping[str, Any]) -> WorkloadSpec:
         trace=_str("workload", d, "trace", "azure-conv"),
         trace_start=_int("workload", d, "trace_start", 0),
         targets=targets,
+        tpot_targets=tpot,
         data_dir=_str("workload", d, "data_dir", ""),
     )
 

@@ -188,6 +188,8 @@ class RequestSet:
         pred_prompt: Prompt tokens per model, as the router counts them.
         pred_cost: Predicted cost per model, USD.
         tasks: Task (or dataset) of each request, for reports.
+        tpot_targets_s: TPOT target of each request (seconds per output token
+            after the first; ``None``: no TPOT targets, TTFT alone decides).
     """
 
     texts: tuple[str, ...]
@@ -203,6 +205,11 @@ class RequestSet:
     pred_prompt: npt.NDArray[np.float64]
     pred_cost: npt.NDArray[np.float64]
     tasks: tuple[str, ...] = ()
+    tpot_targets_s: npt.NDArray[np.float64] | None = None
+
+    def tpot_target(self, i: int) -> float | None:
+        """Request ``i``'s TPOT target, as the router takes it (``None``: none)."""
+        return None if self.tpot_targets_s is None else float(self.tpot_targets_s[i])
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -281,8 +288,9 @@ class RunResult:
         scenario: The run.
         n: Requests that arrived.
         on_time_utility: Eq. 6: mean true utility, 0 for requests past their
-            target (or refused).
-        slo_attainment: Share of requests whose TTFT met the target.
+            target (or refused); with TPOT targets, past either target.
+        slo_attainment: Share of requests whose TTFT met the target (and
+            their TPOT theirs, with TPOT targets).
         mean_utility: Mean true utility (targets ignored; 0 for a refused request).
         mean_ttft_s: Mean TTFT of the served requests (from arrival: a held
             request's wait counts).
@@ -317,6 +325,12 @@ class RunResult:
             a request, microseconds, the most over :attr:`rejected` requests
             (``None`` if none): what an immediate 429 costs the gateway.
         reject_decide_us_p99: Its 99th percentile.
+        tpot: With TPOT targets (``workload.tpot_targets``): ``ttft_attainment``
+            and ``tpot_attainment`` (the shares meeting each target;
+            :attr:`slo_attainment` and :attr:`on_time_utility` then need
+            both), ``tpot_missed`` (served requests streamed slower than their
+            target), ``mean_tpot_s`` and ``p90_tpot_s`` (TPOT as vLLM reports
+            it: last token less first over outputs less one). Empty without.
     """
 
     scenario: Scenario
@@ -343,6 +357,7 @@ class RunResult:
     expired: int = 0
     reject_decide_us_max: float | None = None
     reject_decide_us_p99: float | None = None
+    tpot: dict[str, float | None] = attrs.field(factory=dict)
 
     def as_dict(self, *, admission: bool | None = None) -> dict[str, Any]:
         """The JSON form (without samples).
@@ -396,6 +411,7 @@ class RunResult:
             "decide_us": self.decide_us,
             "wall_s": self.wall_s,
             **extra,
+            **({"tpot": self.tpot} if self.tpot else {}),
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
             **({"speed": self.speed} if self.speed else {}),
             **({"timeline": list(self.timeline)} if self.timeline else {}),
@@ -568,6 +584,8 @@ def run_scenario(
         router_params.append(_router_params(spec, em.policy))
 
     first = np.full(n, np.nan)
+    done = np.full(n, np.nan)  # when each request's last token came
+    produced = np.zeros(n, dtype=np.int64)  # its output tokens, as its engine clamped them
     chosen = np.full(n, -1, dtype=np.int64)
     predicted = np.full(n, np.nan)
     # When each request reached its engine: its arrival, or later if admission held it.
@@ -629,6 +647,7 @@ def run_scenario(
         while heap and heap[0][0] <= upto:
             t, _, kind, i, j = heapq.heappop(heap)
             if kind == COMPLETE:
+                done[i] = t
                 if router is not None:
                     d = decisions[i]
                     assert d is not None
@@ -673,14 +692,19 @@ def run_scenario(
     def start(k: int, j: int, now: float) -> None:
         chosen[k] = j
         sent[k] = now
-        engines[j].add_request(
+        produced[k] = engines[j].add_request(
             rids[k], int(requests.prompt_tokens[k]), int(requests.true_output[k, j]), now
         )
 
     def decide_held(k: int, left: float) -> Decision:
         assert router is not None
         feed.stage(requests.prediction(k))
-        return router.decide(requests.texts[k], ttft_target=left, request_id=rids[k])
+        return router.decide(
+            requests.texts[k],
+            ttft_target=left,
+            request_id=rids[k],
+            tpot_target=requests.tpot_target(k),
+        )
 
     def recheck(now: float) -> None:
         nonlocal decide_s, decided
@@ -709,7 +733,10 @@ def run_scenario(
             t1 = time.perf_counter()
             feed.stage(requests.prediction(i))
             d = router.decide(
-                requests.texts[i], ttft_target=float(requests.targets_s[i]), request_id=rids[i]
+                requests.texts[i],
+                ttft_target=float(requests.targets_s[i]),
+                request_id=rids[i],
+                tpot_target=requests.tpot_target(i),
             )
             verdict = SEND if adm is None else adm.admit(i, a, d, time.perf_counter() - t1)
             if verdict == SEND:
@@ -749,6 +776,7 @@ def run_scenario(
         utility,
         sent=sent,
         admission=adm,
+        tpot=_tpot(first, done, produced),
         wall_s=time.perf_counter() - t_wall,
         decide_s=decide_s,
         decided=decided,
@@ -902,6 +930,18 @@ def _oracle_choice(
     return ties[(i * 2654435761) % len(ties)]
 
 
+def _tpot(
+    first: npt.NDArray[np.float64], done: npt.NDArray[np.float64], out: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    """Each request's TPOT as vLLM reports it: (last token - first) / (outputs - 1).
+
+    ``nan`` for a request with one output token (it has no TPOT: any target is
+    met) or never served.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(out >= 2, (done - first) / np.maximum(out - 1, 1), np.nan)
+
+
 def _measure(
     scenario: Scenario,
     requests: RequestSet,
@@ -915,6 +955,7 @@ def _measure(
     *,
     sent: npt.NDArray[np.float64] | None = None,
     admission: SimAdmission | None = None,
+    tpot: npt.NDArray[np.float64] | None = None,
     wall_s: float,
     decide_s: float,
     decided: int | None = None,
@@ -929,6 +970,23 @@ def _measure(
     served = chosen >= 0
     ttft = first - times
     met = served & (np.where(served, ttft, np.inf) <= requests.targets_s)
+    tp_targets = requests.tpot_targets_s
+    ttft_met = float(met.mean())
+    tpot_stats: dict[str, float | None] = {}
+    if tp_targets is not None and tpot is not None:
+        # On time means both: the first token by its target, then the stream at its pace.
+        tpot_ok = served & ~(tpot > tp_targets)  # a lone token (nan) has no pace to miss
+        met = met & tpot_ok
+        known = served & np.isfinite(tpot)
+        tp = tpot[known]
+        tpot_stats = {
+            "ttft_attainment": ttft_met,
+            "tpot_attainment": float(tpot_ok[served].mean()) if served.any() else None,
+            # The share of served requests whose stream was slower than their target.
+            "tpot_missed": float((known & (tpot > tp_targets)).sum() / max(int(served.sum()), 1)),
+            "mean_tpot_s": float(tp.mean()) if tp.size else None,
+            "p90_tpot_s": float(np.quantile(tp, 0.9)) if tp.size else None,
+        }
     u = np.where(served, utility[idx, np.maximum(chosen, 0)], 0.0)
     comp: dict[str, dict[str, int]] = {}
     for j, nm in enumerate(names):
@@ -984,4 +1042,5 @@ def _measure(
         expired=admission.expired if admission is not None else 0,
         reject_decide_us_max=rej[0] if rej is not None else None,
         reject_decide_us_p99=rej[1] if rej is not None else None,
+        tpot=tpot_stats,
     )

@@ -223,6 +223,15 @@ def prepare_inputs(cfg: SimConfig, seed: int, predictor: Predictor) -> Inputs:
         lengths=w.lengths,
         trace_outputs=trace.output_tokens if trace is not None else None,
     )
+    if w.tpot_targets != "none":
+        from bearsdk.workload import TPOT_TARGETS_S
+
+        if w.tpot_targets == "tasks":
+            # A dataset outside the four tasks (alpaca-eval's) reads as chat.
+            tp = [TPOT_TARGETS_S.get(it.task, TPOT_TARGETS_S["alpaca"]) for it in items]
+        else:
+            tp = [float(w.tpot_targets)] * len(items)
+        rs = attrs.evolve(rs, tpot_targets_s=np.array(tp, dtype=np.float64))
     return Inputs(seed, rs, None if trace is None else trace.times_s, time.perf_counter() - t0)
 
 

@@ -114,6 +114,11 @@ class Estimate:
             nothing replayed; see :meth:`InstanceState.ttft`).
         tpot_s: Predicted mean time per output token after the first, over
             the ``next_tokens`` asked for (``nan``: not asked, or not known).
+        resident_itl_s: With ``residents``: the mean batch time, which is every
+            decoding resident's inter-token time, over the batches up to the
+            new request's last followed token, with it admitted here.
+        resident_itl_base_s: The same batches without it (``nan``: not asked,
+            or no resident there).
     """
 
     ttft_s: float
@@ -122,6 +127,8 @@ class Estimate:
     pending: int = 0
     lower_bound: bool = False
     tpot_s: float = math.nan
+    resident_itl_s: float = math.nan
+    resident_itl_base_s: float = math.nan
 
 
 @attrs.define
@@ -287,6 +294,7 @@ class InstanceState:
         view: InstanceView | None = None,
         horizon_s: float = math.inf,
         next_tokens: int = 0,
+        residents: bool = False,
     ) -> Estimate:
         """Predict the TTFT of a new request sent to this instance now.
 
@@ -307,6 +315,10 @@ class InstanceState:
                 first token until this many more are sampled
                 (:attr:`Estimate.tpot_s`). Only a replay knows it: the
                 fallback and the bound leave it ``nan``.
+            residents: With ``next_tokens``, also the residents' inter-token
+                time over the same batches with and without the new request
+                (a second replay, of the residents alone:
+                :attr:`Estimate.resident_itl_s`, ``docs/tpot.md``).
 
         Returns:
             The estimate and how it was made.
@@ -345,7 +357,19 @@ class InstanceState:
             )
             t = e.ttft_s
             tpot = math.nan if e.tpot_s is None else e.tpot_s
-            return self._set(Estimate(t, mode, age, pending, t > horizon_s, tpot), now)
+            itl_with, itl_base = math.nan, math.nan
+            if residents and e.window_s is not None and e.token_batches:
+                last = e.token_batches[-1]
+                ran, t_ran = est.residents(prep, last)
+                if ran > 0:
+                    # Every decoding resident gets one token per batch: its
+                    # inter-token time is the mean batch time. (Residents that
+                    # finish inside the window are compared over the batches they
+                    # saw against the whole window's mean with the new request: a
+                    # small underestimate of a small harm.)
+                    itl_with, itl_base = e.window_s / last, t_ran / ran
+            got = Estimate(t, mode, age, pending, t > horizon_s, tpot, itl_with, itl_base)
+            return self._set(got, now)
         if output_len is None:
             t = est.estimate(
                 prep,
