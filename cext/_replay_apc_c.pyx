@@ -36,7 +36,7 @@ from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, arrival_arg, cdiv,
-    horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg,
+    horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg, tokens_wanted,
 )
 
 cdef extern from "Python.h":
@@ -1510,14 +1510,9 @@ cdef class Replayer:
         self._init_req(q, prompt, 0, imax(out_len, 1), cap_tokens)
         q.status = S_WAITING
         q.in_batch = -1
-        # Never past its output length: an async engine's wasted token past an
-        # unannounced stop is no token.
-        st.want = imin(1 + next_tokens, q.target - q.outputs)
+        st.want = tokens_wanted(next_tokens, q.target, q.outputs, &st.tok_k, &st.tok_t,
+                                &st.cap_tok)
         st.n_tok = 0
-        if st.want > st.cap_tok:
-            mem_resize(<void**>&st.tok_k, st.want, sizeof(int64_t))
-            mem_resize(<void**>&st.tok_t, st.want, sizeof(double))
-            st.cap_tok = st.want
         if nk:
             mem_reserve(<void**>&st.ak, &st.ak_cap, nk, 256, sizeof(int64_t))
             for i in range(nk):

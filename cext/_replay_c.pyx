@@ -31,7 +31,7 @@ from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
     arrival_arg, cdiv, horizon_arg, imax, imin, output_limit, output_target, read_policy,
-    tokens_arg,
+    tokens_arg, tokens_wanted,
 )
 
 import numpy as np
@@ -1932,14 +1932,9 @@ cdef class Replayer:
         q = &st.r[pr.n]
         memset(q, 0, sizeof(Req))
         self._init_req(q, prompt, 0, imax(out_len, 1), cap_tokens)
-        # Never past its output length: an async engine's wasted token past an
-        # unannounced stop is no token.
-        st.want = imin(1 + next_tokens, q.target - q.outputs)
+        st.want = tokens_wanted(next_tokens, q.target, q.outputs, &st.tok_k, &st.tok_t,
+                                &st.cap_tok)
         st.n_tok = 0
-        if st.want > st.cap_tok:
-            mem_resize(<void**>&st.tok_k, st.want, sizeof(int64_t))
-            mem_resize(<void**>&st.tok_t, st.want, sizeof(double))
-            st.cap_tok = st.want
         q.status = S_WAITING
         q.ro_pos = -1
         q.last_sched = NEVER_SCHEDULED

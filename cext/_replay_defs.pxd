@@ -8,6 +8,8 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t
 from libc.string cimport memset
 
+from _mem cimport mem_resize
+
 cdef enum:
     STAGE_RUNNING = 0
     STAGE_DECODES = 1
@@ -115,6 +117,19 @@ cdef inline int64_t output_target(int64_t limit, int64_t outputs, int64_t output
     # Outputs it will have when it finishes: its (predicted) length within the
     # cap, and at least one more than it already has.
     return imax(imin(output_len, limit), outputs + 1)
+
+
+cdef inline int64_t tokens_wanted(int64_t next_tokens, int64_t target, int64_t outputs,
+                                  int64_t** tok_k, double** tok_t, int64_t* cap) except -1 nogil:
+    # The new request's tokens to follow (never past its output length: an async
+    # engine's wasted token past an unannounced stop is no token), with room in
+    # the token log (batch index and time of each) for all of them.
+    cdef int64_t want = imin(1 + next_tokens, target - outputs)
+    if want > cap[0]:
+        mem_resize(<void**>tok_k, want, sizeof(int64_t))
+        mem_resize(<void**>tok_t, want, sizeof(double))
+        cap[0] = want
+    return want
 
 
 cdef enum:

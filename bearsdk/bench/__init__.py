@@ -10,8 +10,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["Timing", "time_call"]
+__all__ = ["Timing", "loop_line", "loop_report", "time_call"]
 
 
 class Timing:
@@ -29,6 +30,28 @@ class Timing:
     def as_dict(self) -> dict[str, float]:
         """Median, p99 and sample count."""
         return {"median_us": round(self.median_us, 4), "p99_us": round(self.p99_us, 4), "n": self.n}
+
+
+def loop_report(lag: Any) -> dict[str, float]:
+    """An emulated engine's :class:`~bearsdk.emulator.LoopStats` as a report's ``loop``.
+
+    How well the emulator kept real time: a loaded machine makes the engine
+    idle between batches, time no model of the GPU can know of.
+    """
+    return {
+        "steps": lag.steps,
+        "lag_median_ms": round(1e3 * lag.lag_median_s, 3),
+        "lag_p99_ms": round(1e3 * lag.lag_p99_s, 3),
+        "idle_gpu_ms": round(1e3 * lag.idle_gpu_s, 1),
+    }
+
+
+def loop_line(lp: dict[str, float]) -> str:
+    """One line of text for :func:`loop_report`'s dict."""
+    return (
+        f"  emulator loop: {lp['steps']} batches, lag p50 {lp['lag_median_ms']} ms, "
+        f"p99 {lp['lag_p99_ms']} ms, GPU idle while work waited {lp['idle_gpu_ms']} ms"
+    )
 
 
 def time_call(

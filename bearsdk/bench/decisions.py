@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from bearsdk.bench import Timing
 from bearsdk.bench.router import PROMPT, _configs
 from bearsdk.cli import positive_int
 from bearsdk.predictors import Predictor
@@ -177,18 +178,11 @@ def tpot_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any
             base.append((b - a) / 1e3)
             tpot.append((c - b) / 1e3)
 
-    def stats(xs: list[float]) -> dict[str, float]:
-        xs = sorted(xs)
-        return {
-            "median_us": round(statistics.median(xs), 2),
-            "p99_us": round(xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))], 2),
-        }
-
     return {
         "instances": 8,
         "waiting": "mixed" if depth is None else depth,
-        "ttft_only": stats(base),
-        "with_tpot": stats(tpot),
+        "ttft_only": Timing(base).as_dict(),
+        "with_tpot": Timing(tpot).as_dict(),
         "ratio_median": round(statistics.median(tpot) / statistics.median(base), 2),
         "decisions": decisions,
     }

@@ -39,6 +39,7 @@ from typing import Any
 import anyio
 import attrs
 
+from bearsdk.bench import loop_line, loop_report
 from bearsdk.cli import positive_int
 
 __all__ = ["register", "run"]
@@ -91,7 +92,7 @@ async def _run(sessions: int, turns: int, seed: int, profile: str) -> dict[str, 
             await anyio.sleep(rng.uniform(0, 0.5))
             for t in range(turns):
                 out = rng.randint(20, 200)
-                await _published(eng)
+                await wait_published(eng)
                 pub = eng.captured_snapshot
                 # Same task, no await: the turn arrives in exactly that state.
                 h = eng.submit_tokens(
@@ -155,7 +156,7 @@ async def _run(sessions: int, turns: int, seed: int, profile: str) -> dict[str, 
     return _report(rows, profile, sessions, turns, lag)
 
 
-async def _published(eng: Any) -> None:
+async def wait_published(eng: Any) -> None:
     """Wait until the engine's latest snapshot describes its state now."""
     with anyio.fail_after(10):
         for _ in range(1_000_000):
@@ -189,14 +190,7 @@ def _report(
         # Against the TTFTs as measured, the host's lateness included.
         "mape_pct_raw": {k: round(_mape(rows, k, "ttft_raw"), 2) for k in KINDS},
     }
-    # How well the emulator kept real time: a loaded machine makes the engine
-    # idle between batches, time no model of the GPU can know of.
-    out["loop"] = {
-        "steps": lag.steps,
-        "lag_median_ms": round(1e3 * lag.lag_median_s, 3),
-        "lag_p99_ms": round(1e3 * lag.lag_p99_s, 3),
-        "idle_gpu_ms": round(1e3 * lag.idle_gpu_s, 1),
-    }
+    out["loop"] = loop_report(lag)
     return out
 
 
@@ -364,11 +358,7 @@ def _main(args: argparse.Namespace) -> int:
                 f"   + online calibration {m['online']:7.2f} %"
                 f"   cache ignored {m['ignored']:7.2f} %"
             )
-    lp = report["loop"]
-    print(
-        f"  emulator loop: {lp['steps']} batches, lag p50 {lp['lag_median_ms']} ms, "
-        f"p99 {lp['lag_p99_ms']} ms, GPU idle while work waited {lp['idle_gpu_ms']} ms"
-    )
+    print(loop_line(report["loop"]))
     fb = report["first_token_batch_exact_pct"]
     print(
         f"  first-token batch exact: with the blocks {fb['blocks']} %, "

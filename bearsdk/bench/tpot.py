@@ -1,13 +1,14 @@
 """``bearsdk bench tpot``: BEA's TPOT error against an emulated engine, and what it costs.
 
 An emulated vLLM engine (``vllm-v1``, its ground-truth time model with noise,
-in real time) serves an open-loop Poisson load with chat-like lengths. At
+in real time) serves a Poisson load with chat-like lengths; every fourth
+arrival is a probe, during whose first tokens nothing else arrives. At
 every arrival the router's view is the snapshot the engine published just
 then; after the run, BEA replays each snapshot on past the new request's
 first token (``next_tokens``, default 32) and predicts its mean time per
 output token over tokens 1 to 33: the residents' finishes and admissions, the
 prefill chunks that join its decode batches, and a preemption all shape it.
-Two predictions:
+Three predictions:
 
 * ``oracle``: the snapshot with the residents' true output lengths;
 * ``predicted``: the same snapshot without them, the lengths from a mean
@@ -19,13 +20,14 @@ Two predictions:
 The truth is the engine's own: the end of the emulated GPU batch that computed
 each token, less any time the GPU idled because the host loop was late (a
 loaded machine, not the modelled hardware). The score is the mean absolute
-percentage error of the mean inter-token time, over every request and over
-those whose tokens no later arrival touched: a request arriving while another
-produces its first tokens adds its prefill to that one's batches, which no
-snapshot taken before it arrived can know (the report gives the mean error by
-the number of such arrivals). The isolated requests measure the replay itself,
-as the vLLM oracle cases do (a fork in which nothing arrives after the new
-request). Also: how often the replay's first-token batch is the engine's.
+percentage error of the mean inter-token time over three sets: the probes
+(nothing arrived while they streamed, by construction: the replay itself, as
+the vLLM oracle cases isolate it, in the states the load left), every request
+whose tokens no later arrival touched, and every request. A request arriving
+while another produces its first tokens adds its prefill to that one's
+batches, which no snapshot taken before it arrived can know (the report gives
+the mean error by the number of such arrivals). Also: how often the replay's
+first-token batch is the engine's.
 
 ``--cost`` times the replay alone on those snapshots: the TTFT-only replay
 against the one that follows ``next_tokens`` more (medians, p99s and their
@@ -45,11 +47,17 @@ from typing import Any
 
 import anyio
 
+from bearsdk.bench import Timing, loop_line, loop_report
+from bearsdk.bench.prefix import wait_published
 from bearsdk.cli import positive_float, positive_int
 
 __all__ = ["register", "run"]
 
 KINDS = ("oracle", "predicted", "router")
+
+
+PROBE_EVERY = 4
+"""Every fourth arrival is a probe: the load waits while it streams its tokens."""
 
 
 async def _run(
@@ -66,26 +74,39 @@ async def _run(
     )
     rng = random.Random(seed)
     runs: list[tuple[Any, int, int, Any]] = []
+    probes: set[int] = set()
     async with EmulatedEngine(cfg) as eng:
         policy = eng.policy
         bt = eng.calibrated_batch_time()
 
-        async def one(i: int, prompt: int, out: int) -> None:
-            await _published(eng)
+        async def one(i: int, prompt: int, out: int, streamed: anyio.Event | None) -> None:
+            await wait_published(eng)
             pub = eng.captured_snapshot
             # Same task, no await: the request arrives in exactly that state.
             h = eng.submit_tokens(prompt, out, max_tokens=out, request_id=f"r{i}")
             runs.append((pub, prompt, out, h))
+            if streamed is not None:
+                probes.add(id(h))
+                while h.produced < 1 + next_tokens and not h.done:
+                    await h.changed()
+                streamed.set()
             await h.result()
 
         async with anyio.create_task_group() as tg:
             for i in range(requests):
                 prompt = rng.randint(64, 2000)
                 out = rng.randint(1 + next_tokens, 4 * (1 + next_tokens))
-                tg.start_soon(one, i, prompt, out)
+                probe = anyio.Event() if i % PROBE_EVERY == PROBE_EVERY - 1 else None
+                tg.start_soon(one, i, prompt, out, probe)
+                if probe is not None:
+                    # Nothing arrives while a probe streams its tokens: its TPOT is
+                    # the state's, which the replay sees (the oracle cases' isolation).
+                    await probe.wait()
                 await anyio.sleep(rng.expovariate(rate))
         lag = eng.loop_stats()
         rows = [_row(eng, pub, p, o, h, next_tokens) for pub, p, o, h in runs]
+        for r, (*_, h) in zip(rows, runs, strict=True):
+            r["probe"] = id(h) in probes
     arrivals = sorted(r["arrival"] for r in rows)
     for r in rows:
         a, b = r.pop("window")
@@ -164,15 +185,6 @@ def _unknown(q: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in q.items() if k != "output_len"}
 
 
-async def _published(eng: Any) -> None:
-    """Wait until the engine's latest snapshot describes its state now."""
-    with anyio.fail_after(10):
-        for _ in range(1_000_000):
-            if eng.snapshot_current:
-                return
-            await anyio.sleep(0.0005)
-
-
 def _mape(rows: list[dict[str, Any]], key: str) -> float:
     return 100.0 * statistics.fmean(abs(r[key] - r["tpot"]) / r["tpot"] for r in rows)
 
@@ -191,6 +203,7 @@ def _report(
 ) -> dict[str, Any]:
     ok = [r for r in rows if all(r[k] is not None for k in KINDS)]
     alone = [r for r in ok if r["later"] == 0]
+    probes = [r for r in ok if r["probe"]]
     tp = sorted(r["tpot"] for r in ok)
     return {
         "profile": profile,
@@ -206,6 +219,9 @@ def _report(
         "mape_pct": {k: round(_mape(ok, k), 2) for k in KINDS},
         # The replay's own accuracy: requests whose tokens no later arrival
         # touched (the snapshot then decides them; the oracle cases' isolation).
+        # Probes: nothing arrived while they streamed, by construction.
+        "probes": len(probes),
+        "mape_pct_probes": {k: round(_mape(probes, k), 2) for k in KINDS} if probes else None,
         "isolated": len(alone),
         "mape_pct_isolated": {k: round(_mape(alone, k), 2) for k in KINDS} if alone else None,
         "bias_pct_by_later_arrivals": {
@@ -216,12 +232,7 @@ def _report(
         "first_token_batch_exact_pct": round(
             100.0 * statistics.fmean(r["batch_ok"] for r in ok), 1
         ),
-        "loop": {
-            "steps": lag.steps,
-            "lag_median_ms": round(1e3 * lag.lag_median_s, 3),
-            "lag_p99_ms": round(1e3 * lag.lag_p99_s, 3),
-            "idle_gpu_ms": round(1e3 * lag.idle_gpu_s, 1),
-        },
+        "loop": loop_report(lag),
         "_rows": ok,
     }
 
@@ -249,16 +260,9 @@ def cost(rows: list[dict[str, Any]], policy: Any, bt: Any, next_tokens: int) -> 
             t1.append((b - a) / 1e3)
             tk.append((c - b) / 1e3)
 
-    def stats(xs: list[float]) -> dict[str, float]:
-        xs = sorted(xs)
-        return {
-            "median_us": round(statistics.median(xs), 2),
-            "p99_us": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 2),
-        }
-
     return {
-        "ttft_only": stats(t1),
-        "with_tpot": stats(tk),
+        "ttft_only": Timing(t1).as_dict(),
+        "with_tpot": Timing(tk).as_dict(),
         "ratio_median": round(statistics.median(tk) / statistics.median(t1), 2),
     }
 
@@ -298,6 +302,12 @@ def _main(args: argparse.Namespace) -> int:
         f"  MAPE  oracle lengths {m['oracle']:6.2f} %   predicted lengths {m['predicted']:6.2f} %"
         f"   with the arrivals to come (the router's) {m['router']:6.2f} %"
     )
+    pr = report["mape_pct_probes"]
+    if pr:
+        print(
+            f"  MAPE on the {report['probes']} probes (nothing arrived while they streamed): "
+            f"oracle lengths {pr['oracle']:6.2f} %   predicted lengths {pr['predicted']:6.2f} %"
+        )
     iso = report["mape_pct_isolated"]
     if iso:
         print(
@@ -310,11 +320,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     print(f"  mean error by arrivals during its tokens (oracle lengths): {by}")
     print(f"  first-token batch exact: {report['first_token_batch_exact_pct']} %")
-    lp = report["loop"]
-    print(
-        f"  emulator loop: {lp['steps']} batches, lag p50 {lp['lag_median_ms']} ms, "
-        f"p99 {lp['lag_p99_ms']} ms, GPU idle while work waited {lp['idle_gpu_ms']} ms"
-    )
+    print(loop_line(report["loop"]))
     if "cost" in report:
         c = report["cost"]
         print(

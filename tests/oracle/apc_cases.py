@@ -22,6 +22,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +123,22 @@ def export(sched: Any, output_len: dict[str, int]) -> dict[str, Any]:
 
 
 def one_case(
-    cfg: dict[str, Any], workload: list[dict[str, Any]], at: int, new: dict[str, Any]
+    cfg: dict[str, Any],
+    workload: list[dict[str, Any]],
+    at: int,
+    new: dict[str, Any],
+    follow: bool = False,
 ) -> dict[str, Any] | None:
-    """Run to step ``at``, snapshot, add ``new``, run to its first token."""
+    """Run to step ``at``, snapshot, add ``new``, run to its first token.
+
+    With ``follow``, run on until it finishes and also record the batch (from
+    the snapshot, 1-based) of each token vLLM sampled for it: ``token_batches``,
+    with ``vllm_batches`` up to the last (``tpot_cases.py``).
+    """
     lengths = {r["id"]: r["output_len"] for r in workload}
     lengths[new["id"]] = new["output_len"]
     got: dict[str, Any] = {}
+    token_steps: list[int] = []
 
     def before(d: apc_drive.Driver) -> None:
         if got or d.step < at:
@@ -148,20 +159,28 @@ def one_case(
             rid: d.sched.requests[rid].num_computed_tokens - n
             for rid, n in so.num_scheduled_tokens.items()
         }
+        rid = new["id"]
+        # The fake model samples a token for every scheduled request whose prompt
+        # (or recompute) is complete: the same test as the driver's _fabricate.
+        if rid in so.num_scheduled_tokens and not d.sched.requests[rid].is_prefill_chunk:
+            token_steps.append(rec["step"])
 
     d = apc_drive.Driver(cfg, workload, before_schedule=before, on_schedule=contexts)
+    done = d.finish if follow else d.first_token
     while d.iterate():
-        if new["id"] in d.first_token or d.calls > 200_000:
+        if new["id"] in done or d.calls > 200_000:
             break
-    if not got or new["id"] not in d.first_token:
+    d_done = done.get(new["id"])
+    if not got or d_done is None:
         return None
     k0 = got["step"]
+    last = token_steps[-1] if follow else d_done
     batches = [
         {rid: [n, rec["ctx"][rid]] for rid, n in rec["sched"].items()}
         for rec in d.trace
-        if k0 <= rec["step"] <= d.first_token[new["id"]]
+        if k0 <= rec["step"] <= last
     ]
-    return {
+    case: dict[str, Any] = {
         "config": d.cfg,
         "snapshot": got["snapshot"],
         "new": {
@@ -172,6 +191,68 @@ def one_case(
             "prefix_keys": got["prefix_keys"],
         },
         "vllm_batches": batches,
+    }
+    if follow:
+        case["token_batches"] = [st - k0 + 1 for st in token_steps]
+    return case
+
+
+NewRequest = Callable[[random.Random, dict[str, Any], dict[str, Any], int], dict[str, Any]]
+"""Draws case ``j``'s new request from a workload request and the engine config."""
+
+
+def write_cases(
+    out: str,
+    workloads: list[tuple[str, list[dict[str, Any]]]],
+    configs: dict[str, dict[str, Any]],
+    per_run: int,
+    new_request: NewRequest,
+    salt: str = "",
+    follow: bool = False,
+) -> tuple[int, int]:
+    """Run every workload under every config, ``per_run`` cases each: ``(written, skipped)``."""
+    n = skipped = 0
+    with open(out, "w") as f:
+        for wname, w in workloads:
+            for cname, cfg in configs.items():
+                try:
+                    full = apc_drive.Driver(cfg, w).run()
+                except (RuntimeError, ValueError):
+                    skipped += 1
+                    continue
+                steps = len(full["trace"])
+                rng = random.Random(f"{salt}{wname}@{cname}")
+                for j in range(per_run):
+                    new = new_request(rng, rng.choice(w), cfg, j)
+                    at = rng.randint(0, max(0, int(steps * 0.8)))
+                    try:
+                        case = one_case(cfg, w, at, new, follow)
+                    except (RuntimeError, ValueError):
+                        case = None
+                    if case is None:
+                        skipped += 1
+                        continue
+                    case["name"] = f"{wname}@{cname}#{j}"
+                    f.write(json.dumps(case) + "\n")
+                    n += 1
+    return n, skipped
+
+
+def _new_request(
+    rng: random.Random, src: dict[str, Any], cfg: dict[str, Any], j: int
+) -> dict[str, Any]:
+    """A cut of a workload prompt plus new tokens, a short answer."""
+    bs = {**apc_drive.DEFAULTS, **cfg}["block_size"]
+    cut = rng.choice([len(src["prompt"]), rng.randint(1, len(src["prompt"]))])
+    cut = min(cut, 1500)
+    tail = [rng.randrange(10, 1000) for _ in range(rng.choice([1, bs, 40, 200]))]
+    out = rng.randint(1, 8)
+    return {
+        "id": f"new{j}",
+        "arrival_step": 0,
+        "prompt": src["prompt"][:cut] + tail,
+        "output_ids": [rng.randrange(10, 1000) for _ in range(out)],
+        "output_len": out,
     }
 
 
@@ -185,43 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     t0 = time.monotonic()
-    n = skipped = 0
-    with open(a.out, "w") as f:
-        for wname, w in apc_sweep.workloads(a.seeds, a.mooncake):
-            for cname in a.configs.split(","):
-                cfg = apc_sweep.CONFIGS[cname]
-                try:
-                    full = apc_drive.Driver(cfg, w).run()
-                except (RuntimeError, ValueError):
-                    skipped += 1
-                    continue
-                steps = len(full["trace"])
-                rng = random.Random(f"{wname}@{cname}")
-                for j in range(a.per_run):
-                    src = rng.choice(w)
-                    bs = {**apc_drive.DEFAULTS, **cfg}["block_size"]
-                    cut = rng.choice([len(src["prompt"]), rng.randint(1, len(src["prompt"]))])
-                    cut = min(cut, 1500)
-                    tail = [rng.randrange(10, 1000) for _ in range(rng.choice([1, bs, 40, 200]))]
-                    out = rng.randint(1, 8)
-                    new = {
-                        "id": f"new{j}",
-                        "arrival_step": 0,
-                        "prompt": src["prompt"][:cut] + tail,
-                        "output_ids": [rng.randrange(10, 1000) for _ in range(out)],
-                        "output_len": out,
-                    }
-                    at = rng.randint(0, max(0, int(steps * 0.8)))
-                    try:
-                        case = one_case(cfg, w, at, new)
-                    except (RuntimeError, ValueError):
-                        case = None
-                    if case is None:
-                        skipped += 1
-                        continue
-                    case["name"] = f"{wname}@{cname}#{j}"
-                    f.write(json.dumps(case) + "\n")
-                    n += 1
+    configs = {c: apc_sweep.CONFIGS[c] for c in a.configs.split(",")}
+    n, skipped = write_cases(
+        a.out, apc_sweep.workloads(a.seeds, a.mooncake), configs, a.per_run, _new_request
+    )
     print(f"{n} cases ({skipped} skipped) in {time.monotonic() - t0:.0f} s -> {a.out}")
     return 0
 

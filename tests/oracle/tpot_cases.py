@@ -26,7 +26,6 @@ token and recomputes.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -37,7 +36,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import apc_cases  # noqa: E402
-import apc_drive  # noqa: E402
 import apc_sweep  # noqa: E402
 import apc_workloads  # noqa: E402
 
@@ -73,64 +71,19 @@ def workloads(seeds: int) -> list[tuple[str, list[dict[str, Any]]]]:
     return out
 
 
-def one_case(
-    cfg: dict[str, Any], workload: list[dict[str, Any]], at: int, new: dict[str, Any]
-) -> dict[str, Any] | None:
-    """Run to step ``at``, snapshot, add ``new``, run until ``new`` finishes."""
-    lengths = {r["id"]: r["output_len"] for r in workload}
-    lengths[new["id"]] = new["output_len"]
-    got: dict[str, Any] = {}
-    token_steps: list[int] = []
-
-    def before(d: apc_drive.Driver) -> None:
-        if got or d.step < at:
-            return
-        got["snapshot"] = apc_cases.export(d.sched, lengths)
-        got["step"] = d.step
-        d.timed.clear()
-        d.dependents.clear()
-        d.spec[new["id"]] = new
-        d.order[new["id"]] = len(d.order)
-        req = d._make_request(new["id"])
-        d.sched.add_request(req)
-        got["prefix_keys"] = [apc_cases.key_of(h) for h in req.block_hashes]
-
-    def on_schedule(d: apc_drive.Driver, so: Any, rec: dict[str, Any]) -> None:
-        rec["ctx"] = {
-            rid: d.sched.requests[rid].num_computed_tokens - n
-            for rid, n in so.num_scheduled_tokens.items()
-        }
-        rid = new["id"]
-        # The fake model samples a token for every scheduled request whose
-        # prompt (or recompute) is complete: the same test as its _fabricate.
-        if rid in so.num_scheduled_tokens and not d.sched.requests[rid].is_prefill_chunk:
-            token_steps.append(rec["step"])
-
-    d = apc_drive.Driver(cfg, workload, before_schedule=before, on_schedule=on_schedule)
-    while d.iterate():
-        if new["id"] in d.finish or d.calls > 200_000:
-            break
-    if not got or new["id"] not in d.finish:
-        return None
-    k0 = got["step"]
-    last = token_steps[-1]
-    batches = [
-        {rid: [n, rec["ctx"][rid]] for rid, n in rec["sched"].items()}
-        for rec in d.trace
-        if k0 <= rec["step"] <= last
-    ]
+def _new_request(
+    rng: random.Random, src: dict[str, Any], cfg: dict[str, Any], j: int
+) -> dict[str, Any]:
+    """A cut of a workload prompt plus new tokens, and an answer of 1 to 120 tokens."""
+    cut = min(rng.randint(1, len(src["prompt"])), 1200)
+    tail = apc_workloads._tokens(rng, rng.choice([1, 16, 40, 200]))
+    out = rng.choice([1, 2, 8, 33, 40, 64, 120])
     return {
-        "config": d.cfg,
-        "snapshot": got["snapshot"],
-        "new": {
-            "id": new["id"],
-            "prompt_tokens": len(new["prompt"]),
-            "output_len": new["output_len"],
-            "max_tokens": new["output_len"],
-            "prefix_keys": got["prefix_keys"] if d.cfg["prefix_caching"] else [],
-        },
-        "token_batches": [s - k0 + 1 for s in token_steps],
-        "vllm_batches": batches,
+        "id": f"new{j}",
+        "arrival_step": 0,
+        "prompt": src["prompt"][:cut] + tail,
+        "output_ids": apc_workloads._tokens(rng, out),
+        "output_len": out,
     }
 
 
@@ -143,41 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     t0 = time.monotonic()
-    n = skipped = 0
-    with open(a.out, "w") as f:
-        for wname, w in workloads(a.seeds):
-            for cname in a.configs.split(","):
-                cfg = CONFIGS[cname]
-                try:
-                    full = apc_drive.Driver(cfg, w).run()
-                except (RuntimeError, ValueError):
-                    skipped += 1
-                    continue
-                steps = len(full["trace"])
-                rng = random.Random(f"tpot:{wname}@{cname}")
-                for j in range(a.per_run):
-                    src = rng.choice(w)
-                    cut = min(rng.randint(1, len(src["prompt"])), 1200)
-                    tail = apc_workloads._tokens(rng, rng.choice([1, 16, 40, 200]))
-                    out = rng.choice([1, 2, 8, 33, 40, 64, 120])
-                    new = {
-                        "id": f"new{j}",
-                        "arrival_step": 0,
-                        "prompt": src["prompt"][:cut] + tail,
-                        "output_ids": apc_workloads._tokens(rng, out),
-                        "output_len": out,
-                    }
-                    at = rng.randint(0, max(0, int(steps * 0.8)))
-                    try:
-                        case = one_case(cfg, w, at, new)
-                    except (RuntimeError, ValueError):
-                        case = None
-                    if case is None:
-                        skipped += 1
-                        continue
-                    case["name"] = f"{wname}@{cname}#{j}"
-                    f.write(json.dumps(case) + "\n")
-                    n += 1
+    configs = {c: CONFIGS[c] for c in a.configs.split(",")}
+    n, skipped = apc_cases.write_cases(
+        a.out, workloads(a.seeds), configs, a.per_run, _new_request, salt="tpot:", follow=True
+    )
     print(f"{n} cases ({skipped} skipped) in {time.monotonic() - t0:.0f} s -> {a.out}")
     return 0
 
