@@ -4,6 +4,7 @@ TPOT term, and the router asking BEA to follow the first tokens."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import anyio
 import pytest
@@ -189,3 +190,43 @@ async def test_residents_with_targets_are_weighed_in_the_decision() -> None:
         assert math.isnan(other.harm_s)
         router.record_complete(first, first.instance, usage={"completion_tokens": 3})
         assert slot.tpot_targets == {}
+
+
+def test_bearsdk_replay_follows_tokens_past_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from bearsdk.cli import main
+
+    snap = {
+        "schema": "bear.snapshot/1",
+        "instance": "x",
+        "seq": 1,
+        "time": 0.0,
+        "requests": [
+            {
+                "id": "a",
+                "state": "running",
+                "prompt_tokens": 300,
+                "computed_tokens": 310,
+                "output_tokens": 10,
+                "output_len": 200,
+            }
+        ],
+    }
+    f = tmp_path / "snap.json"
+    f.write_text(json.dumps(snap))
+    base = ["replay", "--snapshot", str(f), "--prompt-tokens", "400", "--output-len", "40"]
+    timed = [*base, "--batch-time", "3e-3,2e-5,4e-8,1e-9"]
+    assert main([*timed, "--next-tokens", "5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["token_batches"] == [1, 2, 3, 4, 5, 6]
+    assert doc["tpot_s"] > 0.0
+    assert main([*timed, "--next-tokens", "5"]) == 0
+    assert "tokens 1-6 in batches 1, 2, 3, 4, 5, 6; TPOT" in capsys.readouterr().out
+    for bad in ("-1", "5000", "x"):
+        with pytest.raises(SystemExit) as exc:
+            main([*base, "--next-tokens", bad])
+        assert exc.value.code == 2
+        assert "--next-tokens" in capsys.readouterr().err

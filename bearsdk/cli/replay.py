@@ -21,6 +21,7 @@ from bearsdk.errors import BearError, short_repr
 from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
 from bearsdk.estimators.length import MeanLengthPredictor
+from bearsdk.replay.types import check_next_tokens
 from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import decode_snapshot, snapshot_from_dict
 
@@ -78,10 +79,29 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--batches", action="store_true", help="print the simulated batches (single mode)"
     )
     p.add_argument(
+        "--next-tokens",
+        type=next_tokens_arg,
+        default=0,
+        metavar="K",
+        help="also follow K tokens past the first: their batches and the TPOT (single mode)",
+    )
+    p.add_argument(
         "--impl", choices=("cython", "python"), help="replay implementation (default: loaded)"
     )
     p.add_argument("--json", action="store_true", help="JSON output")
     p.set_defaults(func=_run)
+
+
+def next_tokens_arg(text: str) -> int:
+    """``--next-tokens``: an integer in ``[0, MAX_NEXT_TOKENS]``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer (got {short_repr(text)})") from None
+    try:
+        return check_next_tokens(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("next_tokens ", "")) from None
 
 
 def _params(items: list[str]) -> dict[str, str]:
@@ -232,7 +252,13 @@ def _run_single(args: argparse.Namespace) -> int:
         MeanLengthPredictor(mean=args.mean_output_len),
         implementation=args.impl,
     )
-    res = est.estimate(snap, args.prompt_tokens, args.output_len, explain=args.batches)
+    res = est.estimate(
+        snap,
+        args.prompt_tokens,
+        args.output_len,
+        explain=args.batches,
+        next_tokens=args.next_tokens,
+    )
     if args.json:
         sys.stdout.buffer.write(
             orjson.dumps(_result_dict(res, coeffs is not None, args.batches)) + b"\n"
@@ -250,6 +276,12 @@ def _run_single(args: argparse.Namespace) -> int:
                 "left of the batch in flight at the snapshot)"
             )
         print(f"first token in batch {res.first_token_batch}{ttft}")
+        if args.next_tokens:
+            tb = res.token_batches
+            tpot = ""
+            if coeffs is not None and res.tpot_s is not None and res.gap_p90_s is not None:
+                tpot = f"; TPOT {res.tpot_s * 1000:.3f} ms, p90 gap {res.gap_p90_s * 1000:.3f} ms"
+            print(f"tokens 1-{len(tb)} in batches {', '.join(map(str, tb))}{tpot}")
     else:
         print(f"no first token: {res.stop_reason}")
     if args.batches and res.batches:
@@ -272,6 +304,10 @@ def _result_dict(res: TTFTEstimate, timed: bool, batches: bool) -> dict[str, Any
         "inflight_s": res.inflight_s if timed else None,
         "stop_reason": str(res.stop_reason),
     }
+    if res.token_batches:
+        d["token_batches"] = list(res.token_batches)
+        d["tpot_s"] = res.tpot_s if timed else None
+        d["gap_p90_s"] = res.gap_p90_s if timed else None
     if batches and res.batches is not None:
         d["batches"] = [
             {

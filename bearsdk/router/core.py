@@ -559,7 +559,8 @@ class RouterCore:
             est = s.estimators.get(kind)
             if est is None:
                 est = self._estimator(s, kind)
-            tight = min(s.tpot_targets.values(), default=math.inf)
+            # (Only a selector that weighs residents needs them: min() is O(requests there).)
+            tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
             if next_tokens and getattr(est, "tpot_aware", False):
                 ov = _overhead(s, now)
                 left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf

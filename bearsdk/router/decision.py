@@ -49,7 +49,7 @@ class Candidate:
             (``nan``: not weighed; see :class:`~bearsdk.selectors.BEAR`'s ``harm``).
         resident_itl_base_s: The same without it: the harm is the difference.
         resident_tpot_target_s: The tightest TPOT target among the requests the
-            router had there (``inf``: none).
+            router had there (``inf``: none, or the selector weighs no residents).
     """
 
     instance: str

@@ -52,7 +52,8 @@ class Option:
             (``nan``: not asked for, see :class:`Selector`).
         resident_itl_base_s: The same if it is not.
         resident_tpot_target_s: The tightest TPOT target among the requests
-            the router sent there and that are still there (``inf``: none).
+            the router sent there and that are still there (``inf``: none, or
+            the selector weighs no residents).
     """
 
     __slots__ = (
