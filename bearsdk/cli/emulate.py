@@ -80,6 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="report usage.prompt_tokens_details (cached_tokens), as vLLM's flag",
     )
+    p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish vLLM's KV cache events on ZeroMQ, as --kv-events-config does "
+        "(prefix caching only; the kvevents extra); the endpoints are printed",
+    )
     p.add_argument("--no-noise", action="store_true", help="deterministic batch times")
     p.add_argument(
         "--time-scale",
@@ -136,6 +142,7 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
                 time_model=time_model,
                 publish_output_len=args.publish_output_len,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                kv_events=args.kv_events,
             )
         )
     return out
@@ -187,6 +194,9 @@ def _describe(e: EmulatedEngine) -> None:
         f"{', prefix caching' if e.prefix_caching else ''}",
         flush=True,
     )
+    ends = e.kv_events_endpoints
+    if ends is not None:
+        print(f"{e.instance}: KV events on {ends[0]} (replay {ends[1]})", flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

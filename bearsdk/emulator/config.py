@@ -63,6 +63,10 @@ class EngineConfig:
             message) is a key, as when replaying a dataset's real answers
             (``bearsdk demo --workload alpaca-eval``). Other prompts draw from the
             profile's length model; ``bear_output_len`` still overrides both.
+        kv_events: Publish vLLM's KV events (``BlockStored``, ``BlockRemoved``,
+            ``AllBlocksCleared``) on a ZeroMQ PUB socket with a replay socket, as
+            ``vllm serve --kv-events-config`` does (prefix caching only; the
+            ``kvevents`` extra; :mod:`bearsdk.emulator.kvevents`).
         enable_prompt_tokens_details: Report ``usage.prompt_tokens_details``
             (``cached_tokens``: the prefix-cache hit) as vLLM's
             ``--enable-prompt-tokens-details`` does. Prefix caching itself is the
@@ -86,6 +90,7 @@ class EngineConfig:
     serve_http: bool = True
     answer_lengths: Mapping[str, int] = attrs.field(factory=dict, hash=False, repr=False)
     enable_prompt_tokens_details: bool = False
+    kv_events: bool = False
 
     def __attrs_post_init__(self) -> None:
         config_check(0 <= self.port <= 65535, "port", "must be in [0, 65535]", self.port)

@@ -39,6 +39,7 @@ from bearsdk._lifecycle import Runs
 from bearsdk.emulator.config import EngineConfig, bind_config, config_check
 from bearsdk.emulator.faults import Faults
 from bearsdk.emulator.hubs import BatchHub, DelayLine, PublishedSnapshot, SnapshotHub, batch_record
+from bearsdk.emulator.kvevents import KVEventFeed
 from bearsdk.emulator.loopstats import LoopMeter, LoopStats
 from bearsdk.emulator.metrics import EngineMetrics, GaugeValues
 from bearsdk.emulator.profiles import EmulatorProfile, get_profile
@@ -117,6 +118,7 @@ class EngineCore(Runs):
     _loop_scope: anyio.CancelScope | None = attrs.field(init=False, default=None)
     _run_tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
     _running: bool = attrs.field(init=False, default=False)
+    _kv: KVEventFeed | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         cfg = self._config
@@ -134,10 +136,21 @@ class EngineCore(Runs):
         self._delay = DelayLine(
             lambda: self._faults.snapshot_delay_s, lambda s: self._snapshots.publish(s)
         )
+        if cfg.kv_events:
+            config_check(
+                self._policy.prefix_caching,
+                "kv_events",
+                "needs prefix caching (enable_prefix_caching)",
+                cfg.kv_events,
+            )
+            self._kv = KVEventFeed(self._policy.block_size)
         self._reset_state()
 
     def _reset_state(self) -> None:
         self._core = SchedulerCore(self._policy)
+        if self._kv is not None:
+            self._core.record_kv_events()
+            self._kv.cleared()
         self._reqs.clear()
         self._queue.clear()
         self._gpu_free = 0.0
@@ -156,6 +169,14 @@ class EngineCore(Runs):
             self._snapshots = SnapshotHub(first)
 
     # -- properties -----------------------------------------------------------------
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, str | None] | None:
+        """Where the KV events go: ``(PUB, replay ROUTER)`` once running (``kv_events``)."""
+        if self._kv is None or not self._running:
+            return None
+        pub = self._kv.publisher
+        return pub.endpoint, pub.replay_endpoint
 
     @property
     def config(self) -> EngineConfig:
@@ -484,6 +505,8 @@ class EngineCore(Runs):
 
     def _complete(self, f: _InFlight) -> None:
         out = self._core.process(f.batch)
+        if self._kv is not None:
+            self._kv.flush(self._core)
         self._version += 1
         now = anyio.current_time()
         if f.shape is not None:
@@ -605,6 +628,8 @@ class EngineCore(Runs):
                 self._run_tg = tg
                 await tg.start(self._supervise)
                 await tg.start(self._delay.run)
+                if self._kv is not None:
+                    await tg.start(self._kv.run)
                 task_status.started(self)
                 await anyio.sleep_forever()
         finally:

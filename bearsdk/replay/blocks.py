@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from bearsdk.replay.wired import _Wire
 
-__all__ = ["KEY_MASK", "BlockPool", "chain_keys"]
+__all__ = ["KEY_MASK", "BlockPool", "chain_keys", "extend_chain"]
 
 KEY_MASK: Final = (1 << 63) - 1
 """Content keys are non-negative 63-bit ints; keys that stand for unknown
@@ -65,6 +65,21 @@ def chain_keys(tokens: Sequence[int], block_size: int, start: Sequence[int] = ()
     return keys
 
 
+def extend_chain(parent: int | None, tokens: Sequence[int], block_size: int) -> list[int]:
+    """The keys of the full blocks of ``tokens`` following a block whose key is ``parent``.
+
+    ``None``: they start a chain. Equal to the tail of :func:`chain_keys` over
+    the whole prefix, so that blocks reported one group at a time (vLLM's KV
+    events) get the keys a request's own chain has.
+    """
+    keys = []
+    key = _ROOT if parent is None else parent
+    for i in range(len(tokens) // block_size):
+        key = hash((key, tuple(tokens[i * block_size : (i + 1) * block_size]))) & KEY_MASK
+        keys.append(key)
+    return keys
+
+
 class BlockPool:
     """The engine's KV blocks, their reference counts, the prefix cache and the free queue.
 
@@ -93,6 +108,7 @@ class BlockPool:
         "_token",
         "_unlimited",
         "_w",
+        "events",
         "hits",
         "preempted_hits",
         "preempted_queries",
@@ -119,6 +135,8 @@ class BlockPool:
         # content key -> the blocks holding it, first cached first; tuples,
         # replaced rather than changed, so that a copy of the pool can share them
         self._cached: dict[int, tuple[int, ...]] = {}
+        # KV events (SchedulerCore.record_kv_events): evictions are appended here.
+        self.events: list[Any] | None = None
         self.queries = self.hits = 0
         self.preempted_queries = self.preempted_hits = 0
 
@@ -217,6 +235,8 @@ class BlockPool:
             if k is not None:
                 self._forget(k, e)
                 key[e] = None
+                if self.events is not None:
+                    self.events.append(("removed", k))
             ref[e] = 1
             out.append(e)
         return out
@@ -303,6 +323,7 @@ class BlockPool:
         c._token = self._token
         c._n_free = self._n_free
         c._cached = self._cached.copy()
+        c.events = None
         c.queries, c.hits = self.queries, self.hits
         c.preempted_queries, c.preempted_hits = self.preempted_queries, self.preempted_hits
         return c

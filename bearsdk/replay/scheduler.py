@@ -628,11 +628,52 @@ class SchedulerCore:
 
     def _cache(self, r: CachedReq, tokens: int) -> None:
         """Make ``r``'s full blocks up to ``tokens`` (capped at its known tokens) findable."""
-        assert self.pool is not None
+        pool = self.pool
+        assert pool is not None
         full = min(tokens, r.num_tokens) // self.geo.block_size
         if full > r.cached_blocks:
-            self.pool.cache(r.block_ids, self._keys(r, full), r.cached_blocks, full)
+            keys = self._keys(r, full)
+            if pool.events is not None:
+                self._stored_events(r, keys, full)
+            pool.cache(r.block_ids, keys, r.cached_blocks, full)
             r.cached_blocks = full
+
+    def _stored_events(self, r: CachedReq, keys: list[int], full: int) -> None:
+        """The ``stored`` KV event of the blocks about to become findable (vLLM's
+        ``BlockStored``: its new full blocks, their parent, their tokens)."""
+        assert self.pool is not None
+        if r.tokens is None:
+            return  # content the engine cannot name (a replayed resident's)
+        pool, ids, bs = self.pool, r.block_ids, self.geo.block_size
+        # Blocks with content keys (a negative key: tokens the scheduler was not given).
+        new = [
+            i for i in range(r.cached_blocks, full) if pool.key_of(ids[i]) is None and keys[i] >= 0
+        ]
+        if not new:
+            return
+        i0, i1 = new[0], new[-1] + 1
+        pool.events.append(  # type: ignore[union-attr]
+            ("stored", keys[i0 - 1] if i0 else None, keys[i0:i1], r.tokens[i0 * bs : i1 * bs])
+        )
+
+    def record_kv_events(self) -> None:
+        """Keep vLLM's KV events from now on (:meth:`take_kv_events`; prefix caching only).
+
+        ``("stored", parent key, keys, tokens)`` when full blocks become
+        findable, ``("removed", key)`` when one is evicted, in the order they
+        happen, as vLLM's ``BlockPool`` queues its ``BlockStored`` and
+        ``BlockRemoved``; a content key stands for vLLM's block hash.
+        """
+        if self.pool is not None and self.pool.events is None:
+            self.pool.events = []
+
+    def take_kv_events(self) -> list[tuple[Any, ...]]:
+        """The KV events since the last call (see :meth:`record_kv_events`)."""
+        pool = self.pool
+        if pool is None or not pool.events:
+            return []
+        got, pool.events = pool.events, []
+        return got
 
     def preempt(self, r: Req) -> None:
         self._free_blocks(r)

@@ -1,0 +1,123 @@
+"""The emulator's KV events over ZeroMQ, as vLLM publishes them, feeding a prefix index."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from bearsdk.emulator import EngineConfig, EngineConfigError
+from bearsdk.emulator.core import EngineCore
+from bearsdk.kvevents.index import PrefixIndex
+from bearsdk.kvevents.transport import KVEventSubscriber
+from bearsdk.replay.blocks import chain_keys
+
+PARAMS = {
+    "enable_prefix_caching": True,
+    "num_gpu_blocks": 400,
+    "max_num_seqs": 16,
+    "max_model_len": 4096,
+}
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    """Poll ``cond`` for up to 10 s (the subscriber is a socket loop: no event to wait on)."""
+    with anyio.fail_after(10):
+        for _ in range(1_000_000):
+            if cond():
+                return
+            await anyio.sleep(0.01)
+
+
+def _config(**kw: object) -> EngineConfig:
+    return EngineConfig(
+        profile="qwen3-0.6b-h100", params=PARAMS, serve_http=False, kv_events=True, seed=1, **kw
+    )
+
+
+async def test_the_index_follows_the_engine_and_a_lost_batch_is_replayed() -> None:
+    rng = random.Random(1)
+    async with EngineCore(_config()) as eng:
+        ends = eng.kv_events_endpoints
+        assert ends is not None
+        bs = eng.policy.block_size
+        idx = PrefixIndex(bs, 100_000)
+        sub = KVEventSubscriber(idx, ends[0], ends[1])
+        feed = eng._kv
+        assert feed is not None
+        pool = eng._core.pool
+        assert pool is not None
+        systems = [
+            [rng.randrange(1, 100_000) for _ in range(rng.randint(100, 600))] for _ in range(5)
+        ]
+        prompts: list[list[int]] = []
+        lookups = agree = 0
+        async with anyio.create_task_group() as tg:
+            await tg.start(sub.run)
+            await anyio.sleep(0.2)  # a SUB socket joins late (ZeroMQ's slow joiner)
+            handles = []
+            for i in range(300):
+                p = rng.choice(systems) + [
+                    rng.randrange(1, 100_000) for _ in range(rng.randint(10, 200))
+                ]
+                prompts.append(p)
+                out = rng.randint(2, 20)
+                handles.append(
+                    eng.submit_tokens(len(p), out, max_tokens=out, request_id=f"r{i}", prompt_ids=p)
+                )
+                if i == 150:
+                    feed.publisher.drop_next = 3  # lost on the PUB socket, kept for replay
+                await anyio.sleep(0.003)
+                if sub.last_seq == feed.publisher._seq - 1:
+                    for _ in range(20):
+                        q = rng.choice(prompts)
+                        keys = chain_keys(q[: rng.randint(1, len(q))], bs)
+                        lookups += 1
+                        agree += idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
+            with anyio.fail_after(20):
+                for h in handles:
+                    await h.result()
+            await _until(lambda: sub.last_seq == feed.publisher._seq - 1)
+            tg.cancel_scope.cancel()
+        # Caught up, the index is the engine's cache exactly; in flight it lags by
+        # at most the evictions of the step being scheduled (vLLM publishes after it).
+        for q in prompts:
+            keys = chain_keys(q, bs)
+            assert idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
+        assert idx.blocks == pool.num_cached
+        assert lookups > 1000
+        assert agree >= 0.99 * lookups
+        assert sub.replayed == 3
+        assert sub.resyncs == 0
+        assert sub.bad == 0
+
+
+async def test_a_restart_starts_the_sequence_and_the_index_over() -> None:
+    async with EngineCore(_config()) as eng:
+        ends = eng.kv_events_endpoints
+        assert ends is not None
+        idx = PrefixIndex(eng.policy.block_size, 100_000)
+        sub = KVEventSubscriber(idx, ends[0], None)
+        async with anyio.create_task_group() as tg:
+            await tg.start(sub.run)
+            await anyio.sleep(0.2)
+            p = list(range(1, 300))
+            await eng.submit_tokens(len(p), 2, max_tokens=2, request_id="a", prompt_ids=p).result()
+            await _until(lambda: idx.blocks > 0)
+            await eng.restart()
+            await _until(lambda: idx.blocks == 0)
+            tg.cancel_scope.cancel()
+
+
+def test_kv_events_need_prefix_caching() -> None:
+    with pytest.raises(EngineConfigError, match="kv_events"):
+        EngineCore(
+            EngineConfig(
+                profile="qwen3-0.6b-h100",
+                params={**PARAMS, "enable_prefix_caching": False},
+                serve_http=False,
+                kv_events=True,
+            )
+        )
