@@ -209,3 +209,24 @@ def test_an_index_that_joins_late_never_claims_a_block_the_engine_lacks() -> Non
             keys = chain_keys(p, 16)
             assert idx.hit_blocks(keys) <= len(core.pool.lookup(keys, len(keys)))
     assert idx.broken > 0
+
+
+def test_a_prompts_chain_maps_to_the_engines_block_names_up_to_the_first_miss() -> None:
+    from bearsdk.kvevents.index import hash_key
+
+    tokens = list(range(64))
+    keys = chain_keys(tokens, 16)
+    h = [bytes([i]) * 32 for i in range(1, 5)]
+    idx = PrefixIndex(16, 100)
+    idx.apply(
+        decode_batch(
+            encode_batch(0.0, [BlockStored(h[:3], None, tokens[:48], 16, None, "GPU", None)])
+        )
+    )
+    got = idx.engine_keys(keys)
+    # vLLM's hashes by their first 8 bytes, as the bearsdk publisher names blocks.
+    assert got == [int.from_bytes(x[:8], "big") & ((1 << 63) - 1) for x in h[:3]]
+    assert got == [hash_key(x) for x in h[:3]]
+    assert hash_key(12345) == 12345
+    idx.apply(decode_batch(encode_batch(1.0, [BlockRemoved([h[1]], "GPU")])))
+    assert idx.engine_keys(keys) == [hash_key(h[0])]

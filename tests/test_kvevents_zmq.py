@@ -121,3 +121,50 @@ def test_kv_events_need_prefix_caching() -> None:
                 kv_events=True,
             )
         )
+
+
+async def test_the_router_prices_the_prefix_an_instance_announced_in_its_events() -> None:
+    from bearsdk.emulator import EnginePool
+    from bearsdk.router import AsyncRouter, InstanceConfig
+    from bearsdk.selectors import BEAR
+
+    params = {"enable_prefix_caching": True, "max_model_len": 8192}
+    cfgs = [
+        EngineConfig(
+            profile="qwen3-8b-h100", params=params, instance=f"e{i}", seed=i, kv_events=True
+        )
+        for i in range(2)
+    ]
+    rng = random.Random(5)
+    ids = [rng.randrange(1, 100_000) for _ in range(4000)]
+    async with EnginePool(cfgs) as pool:
+        confs = []
+        for e in pool:
+            ends = e.kv_events_endpoints
+            assert ends is not None
+            confs.append(
+                InstanceConfig(
+                    name=e.instance,
+                    url=e.url,
+                    model=e.model_name,
+                    profile=e.config.profile,
+                    kv_events=ends[0],
+                    kv_events_replay=ends[1],
+                )
+            )
+        async with AsyncRouter(confs, BEAR()) as router:
+            warm_engine = next(iter(pool))
+            warm, cold = (e.instance for e in pool)
+            await anyio.sleep(0.2)  # the SUB sockets join
+            await warm_engine.submit_tokens(len(ids), 2, max_tokens=2, prompt_ids=ids).result()
+            index = router.core.slot(warm).kv_index
+            assert index is not None
+            await _until(lambda: index.hit_blocks(chain_keys(ids, 16)) >= len(ids) // 16 - 1)
+            await _until(lambda: not len(router.cache(warm).entry.snapshot))  # type: ignore[union-attr]
+            d = router.decide(
+                [{"role": "user", "content": "hi"}], ttft_target=5.0, prompt_token_ids=ids
+            )
+            t = {c.instance: c.ttft_s for c in d.candidates}
+            assert t[warm] < 0.5 * t[cold]
+            assert d.instance == warm
+            assert router.core.slot(cold).kv_index is not None

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from bearsdk.emulator import EnginePool
+from bearsdk.replay.blocks import chain_keys
 from bearsdk.router import AsyncRouter, InstanceConfig, RequestError
 from bearsdk.selectors import BEAR, Lagrangian, LatencyAgnostic, Option
 
@@ -230,3 +231,75 @@ def test_bearsdk_replay_follows_tokens_past_the_first(
             main([*base, "--next-tokens", bad])
         assert exc.value.code == 2
         assert "--next-tokens" in capsys.readouterr().err
+
+
+async def test_the_prompts_token_ids_price_the_prefix_each_instance_holds() -> None:
+    import random
+
+    from bearsdk.emulator import EngineConfig
+
+    params = {"enable_prefix_caching": True, "max_model_len": 8192}
+    cfgs = [
+        EngineConfig(profile="qwen3-8b-h100", params=params, instance=f"e{i}", seed=i)
+        for i in range(2)
+    ]
+    rng = random.Random(3)
+    ids = [rng.randrange(1, 100_000) for _ in range(4000)]
+    async with EnginePool(cfgs) as pool, AsyncRouter(_configs(pool), BEAR()) as router:
+        warm, cold = (e.instance for e in pool)
+        # The warm instance computes this prompt (and decodes on): its blocks are cached.
+        first = next(iter(pool)).submit_tokens(len(ids), 300, max_tokens=300, prompt_ids=ids)
+        with anyio.fail_after(5):
+            await router.cache(cold).wait_version(0)
+            while not first.produced:  # its prompt computed (one batch)
+                await first.changed()
+            # A snapshot from after that batch: the blocks cached, nothing in flight
+            # for the new request to wait on but a decode step.
+            seen_version = router.cache(warm).version
+            await router.cache(warm).wait_version(seen_version + 1)
+        blind = router.decide(MSG, ttft_target=5.0, prompt_token_ids=None)
+        seen = router.decide(MSG, ttft_target=5.0, prompt_token_ids=ids)
+        # (Its snapshot may still show the request running: a fast-forwarded view
+        # keeps the advanced block pool.)
+        t = {c.instance: c.ttft_s for c in seen.candidates}
+        # A 4,000-token prefill where nothing is cached; the last block alone where it is.
+        assert t[warm] < 0.5 * t[cold]
+        assert seen.instance == warm
+        assert all(c.prompt_tokens == len(ids) for c in seen.candidates)
+        next(iter(pool)).abort(first.id)
+        assert all(c.prompt_tokens != len(ids) for c in blind.candidates)
+        with pytest.raises(RequestError, match="prompt_token_ids"):
+            router.decide(MSG, prompt_token_ids=[1, -2])
+        with pytest.raises(RequestError, match="prompt_token_ids"):
+            router.decide(MSG, prompt_token_ids="abc")  # type: ignore[arg-type]
+
+
+def test_a_fast_forwarded_view_keeps_the_block_pool_and_its_hits() -> None:
+    import random
+
+    from bearsdk.estimators import BatchTimeModel
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.replay.scheduler import SchedulerCore
+    from bearsdk.schedulers import bind_scheduler
+    from bearsdk.snapshot import snapshot_from_dict
+    from bearsdk.state.fastforward import FastForward
+
+    pol = bind_scheduler(
+        "vllm-v1", {"enable_prefix_caching": True, "num_gpu_blocks": 2000, "max_model_len": 8192}
+    )
+    rng = random.Random(3)
+    ids = [rng.randrange(1, 100_000) for _ in range(4000)]
+    core = SchedulerCore(pol)
+    core.add_request("a", len(ids), 300, 300, ids + [rng.randrange(1, 100_000) for _ in range(300)])
+    for _ in range(3):
+        core.process(core.schedule())
+    snap = snapshot_from_dict(core.snapshot(instance="x", seq=1, time=0.0, output_len=True))
+    est = BEAEstimator(pol, BatchTimeModel(4e-3, 2.2e-5, 5e-8, 1.2e-10))
+    ff = FastForward(snap, est, captured=0.0)
+    ff.advance(0.2, [])
+    view = ff.at(0.2)
+    assert view.prefix_cache is not None
+    keys = chain_keys(ids, 16)
+    hit = est.estimate(view, len(ids), 10, prefix_keys=keys)
+    miss = est.estimate(view, len(ids), 10)
+    assert hit.ttft_s < 0.5 * miss.ttft_s

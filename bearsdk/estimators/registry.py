@@ -21,7 +21,7 @@ request) or an :class:`InstanceEstimator`, which reads what it needs itself
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
@@ -85,7 +85,10 @@ class InstanceEstimator(Protocol):
     ``next_tokens`` (class attribute ``tpot_aware = True``) is asked, for
     requests with a TPOT target, to predict :attr:`Latency.tpot_s` over that
     many tokens after the first, and with ``residents=True`` the harm to the
-    instance's residents (:attr:`Latency.resident_itl_s`).
+    instance's residents (:attr:`Latency.resident_itl_s`). One that also takes
+    ``prefix_keys`` (``prefix_aware = True``) gets the content keys of the
+    prompt's full blocks (:func:`~bearsdk.replay.blocks.chain_keys`) when the
+    caller gave its token ids, to price the instance's cached prefix.
     """
 
     def estimate(
@@ -186,6 +189,7 @@ class _BEA:
     __slots__ = ("_after", "_cache", "_state", "_view")
     horizon_aware = True
     tpot_aware = True
+    prefix_aware = True
 
     def __init__(self, ctx: EstimatorContext) -> None:
         self._state = ctx.state
@@ -202,6 +206,7 @@ class _BEA:
         horizon_s: float = math.inf,
         next_tokens: int = 0,
         residents: bool = False,
+        prefix_keys: Sequence[int] | None = None,
     ) -> Latency:
         # The router's statistics only matter to the fallback estimator:
         # summarise them only when the snapshot cannot be replayed.
@@ -215,6 +220,7 @@ class _BEA:
             horizon_s=horizon_s,
             next_tokens=next_tokens,
             residents=residents,
+            prefix_keys=prefix_keys,
         )
         if e.mode == "fallback":
             return Latency(e.ttft_s, "lps", e.age_s)

@@ -28,9 +28,17 @@ from bearsdk.kvevents.wire import (
     KVEventBatch,
     KVEventError,
 )
-from bearsdk.replay.blocks import extend_chain
+from bearsdk.replay.blocks import KEY_MASK, extend_chain
 
-__all__ = ["PrefixIndex"]
+__all__ = ["PrefixIndex", "hash_key"]
+
+
+def hash_key(h: bytes | int) -> int:
+    """vLLM's block hash as a ``kv.prefix_cache`` key: its first 8 bytes, big-endian,
+    63 bits (``docs/contracts.md``); an int hash (the emulator's, older vLLM) as is."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h[:8], "big") & KEY_MASK
+    return h & KEY_MASK
 
 
 @attrs.define
@@ -56,6 +64,8 @@ class PrefixIndex:
     _by_hash: dict[bytes | int, list[int]] = attrs.field(factory=dict, init=False)
     # content key -> blocks holding it
     _count: dict[int, int] = attrs.field(factory=dict, init=False)
+    # content key -> vLLM's hash of it (equal content after an equal prefix: one hash)
+    _hash_of: dict[int, bytes | int] = attrs.field(factory=dict, init=False)
     _blocks: int = attrs.field(default=0, init=False)
 
     @property
@@ -67,6 +77,7 @@ class PrefixIndex:
         """Forget every block (``AllBlocksCleared``, or before a resync)."""
         self._by_hash.clear()
         self._count.clear()
+        self._hash_of.clear()
         self._blocks = 0
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -110,6 +121,7 @@ class PrefixIndex:
             else:
                 entry[1] += 1
             count[k] = count.get(k, 0) + 1
+            self._hash_of.setdefault(k, h)
         self._blocks += len(keys)
 
     def _removed(self, hashes: Sequence[bytes | int]) -> None:
@@ -127,7 +139,24 @@ class PrefixIndex:
                 count[k] = n
             else:
                 del count[k]
+                self._hash_of.pop(k, None)
             self._blocks -= 1
+
+    def engine_keys(self, keys: Sequence[int]) -> list[int]:
+        """A prompt's chain as the engine's snapshot names its blocks, up to the first miss.
+
+        The bearsdk vLLM publisher's ``kv.prefix_cache`` names a block by the
+        first 8 bytes of vLLM's hash (:func:`hash_key`); the emulator's by its
+        content key. A replay given these keys hits the snapshot's blocks.
+        """
+        out = []
+        hash_of = self._hash_of
+        for k in keys:
+            h = hash_of.get(k)
+            if h is None:
+                break
+            out.append(hash_key(h))
+        return out
 
     def hit_blocks(self, keys: Sequence[int]) -> int:
         """How many of ``keys`` (a prompt's chain) are cached here, from the start."""

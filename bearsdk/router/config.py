@@ -79,6 +79,13 @@ def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
         raise ConfigError(f"{att.name} must be a number > 0 (got {value!r})")
 
 
+def _zmq(inst: object, att: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(
+            f"{att.name} must be a ZeroMQ endpoint (tcp://host:port, ipc://path) (got {value!r})"
+        )
+
+
 def _prior(inst: object, att: attrs.Attribute[float | None], value: float | None) -> None:
     if value is None:
         return
@@ -116,6 +123,13 @@ class InstanceConfig:
         poll_interval_s: Interval of polling sources (``poll``, ``metrics``).
         shm_name: Shared-memory segment name (``shm``); default ``bear.<name>``.
         timeout_s: Per-request timeout for dispatch (connect to last byte).
+        kv_events: The engine's KV event PUB endpoint (``vllm serve
+            --kv-events-config``'s ``endpoint``, e.g. ``tcp://host:5557``): the
+            router keeps the instance's cached blocks from it and prices each
+            request's cached prefix there (``prompt_token_ids``; the
+            ``kvevents`` extra; ``docs/prefix-caching.md``).
+        kv_events_replay: Its replay endpoint (``replay_endpoint``): lost
+            batches are fetched again; without it a gap restarts the index.
         accuracy_prior: Accuracy in [0, 1] assumed for ``model`` when the
             predictor was not trained on it (default: neutral, the trained
             models' mean for each prompt); ignored for a model it knows.
@@ -137,6 +151,10 @@ class InstanceConfig:
     shm_name: str | None = None
     timeout_s: float = attrs.field(default=300.0, validator=_positive)
     accuracy_prior: float | None = attrs.field(default=None, validator=_prior)
+    kv_events: str | None = attrs.field(default=None, validator=attrs.validators.optional(_zmq))
+    kv_events_replay: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_zmq)
+    )
 
     @property
     def bear_url(self) -> str:

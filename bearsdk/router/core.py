@@ -30,7 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
 
@@ -51,6 +51,7 @@ from bearsdk.estimators.registry import (
 from bearsdk.estimators.stats import InstanceStats
 from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.predictors.protocol import PoolPredictor
+from bearsdk.replay.blocks import chain_keys
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
@@ -59,6 +60,7 @@ from bearsdk.router.errors import (
     RequestError,
     check_max_tokens,
     check_target,
+    check_token_ids,
     prompt_text,
     short,
 )
@@ -72,6 +74,9 @@ from bearsdk.selectors import BEAR, Option, Selector
 from bearsdk.snapshot import Snapshot
 from bearsdk.state import CachedSnapshot, InstanceState, ShadowView, SnapshotCache, StalenessRules
 from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
+
+if TYPE_CHECKING:
+    from bearsdk.kvevents.index import PrefixIndex
 
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
@@ -137,6 +142,8 @@ class InstanceSlot:
     overhead_at: float = -math.inf
     # One per estimator name a selector asked for, built on first use.
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
+    # Its cached blocks from its KV events (InstanceConfig.kv_events; the runtime feeds it).
+    kv_index: PrefixIndex | None = None
     # The TPOT targets of the requests sent here and not finished (by request id):
     # the residents an admission must not push past theirs (issue 21).
     tpot_targets: dict[str, float] = attrs.Factory(dict)
@@ -151,6 +158,13 @@ class InstanceSlot:
 
 
 _MAX_PREFILL_SHARE: Final = 0.9
+
+
+def _block_size(s: InstanceSlot) -> int:
+    """The block size the instance's snapshots count in (else its scheduler's)."""
+    entry = s.cache.entry
+    kv = None if entry is None else entry.snapshot.kv
+    return s.scheduler.block_size if kv is None else kv.block_size
 
 
 def _with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
@@ -403,6 +417,7 @@ class RouterCore:
         exclude: frozenset[str] = frozenset(),
         instances: Collection[str] | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -414,6 +429,12 @@ class RouterCore:
                 seconds > 0 (default and ``math.inf``: none). A selector that
                 routes on TPOT (BEAR) has BEA follow its first tokens and
                 requires both targets.
+            prompt_token_ids: The prompt's token ids as the engines see them:
+                BEA then replays each candidate with the prompt's full-block
+                content keys, so that its admission hits the prefix the
+                instance holds where the snapshot carries the block pool
+                (``kv.prefix_cache``, with content keys: the emulator's);
+                ``docs/prefix-caching.md``.
             max_tokens: The request's output cap.
             request_id: Id to record (default: a fresh one).
             exclude: Instances not to consider.
@@ -431,6 +452,7 @@ class RouterCore:
         t0 = time.perf_counter()
         ttft_target = check_target(ttft_target)
         tpot = check_target(tpot_target, "tpot_target")
+        token_ids = check_token_ids(prompt_token_ids)
         tpot_s = math.inf if tpot is None else tpot
         max_tokens = check_max_tokens("max_tokens", max_tokens)
         if request_id is not None and not (
@@ -459,7 +481,7 @@ class RouterCore:
         horizon = self._horizon(target)
         want = getattr(sel_, "next_tokens", None)
         follow = 0 if want is None else int(want(tpot_s))
-        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow)
+        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow, token_ids)
         if want is None:
             sel = sel_.select([c[0] for c in cands], target)
         else:
@@ -540,10 +562,13 @@ class RouterCore:
         now: float,
         horizon: float = math.inf,
         next_tokens: int = 0,
+        token_ids: list[int] | None = None,
     ) -> list[tuple[Option, str, float, int, int, float, float, bool]]:
         lam = self.selector.lam
         kind = self.selector.latency
         weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
+        # The prompt's chain of block keys, once per block size in the pool.
+        chains: dict[int, list[int]] = {}
         out_rows: list[tuple[Option, str, float, int, int, float, float, bool]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
@@ -554,13 +579,23 @@ class RouterCore:
             out = int(outs[j])
             if max_tokens is not None:
                 out = min(out, max_tokens)
-            ptok = max(1, int(ptoks[j]))
+            # The engines' own count when the caller gave the token ids.
+            ptok = len(token_ids) if token_ids else max(1, int(ptoks[j]))
             cost = costs[j] * _MICRO
             est = s.estimators.get(kind)
             if est is None:
                 est = self._estimator(s, kind)
             # (Only a selector that weighs residents needs them: min() is O(requests there).)
             tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
+            extra: dict[str, Any] = {}
+            if token_ids is not None and getattr(est, "prefix_aware", False):
+                bs = _block_size(s)
+                keys = chains.get(bs)
+                if keys is None:
+                    keys = chains[bs] = chain_keys(token_ids, bs)
+                # With the instance's KV events: its snapshot names blocks by vLLM's
+                # hashes, which the index maps the prompt's content keys to.
+                extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
             if next_tokens and getattr(est, "tpot_aware", False):
                 ov = _overhead(s, now)
                 left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
@@ -572,6 +607,7 @@ class RouterCore:
                     left,
                     next_tokens=next_tokens,
                     residents=weigh is not None and bool(weigh(tight)),
+                    **extra,
                 )
                 overhead = ov if lat.replayed else 0.0
             elif horizon != math.inf and getattr(est, "horizon_aware", False):
@@ -579,10 +615,10 @@ class RouterCore:
                 # A target already eaten by the overhead (a tiny one, or a held request's
                 # near its deadline) still gets an estimate: the first batch, a lower bound.
                 left = max(horizon - ov, _MIN_HORIZON_S)
-                lat = est.estimate(ptok, out, max_tokens, now, left)  # type: ignore[call-arg]
+                lat = est.estimate(ptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
                 overhead = ov if lat.replayed else 0.0
             else:
-                lat = est.estimate(ptok, out, max_tokens, now)
+                lat = est.estimate(ptok, out, max_tokens, now, **extra)
                 overhead = _overhead(s, now) if lat.replayed else 0.0
             tpot = lat.tpot_s
             itl, itl_base = lat.resident_itl_s, lat.resident_itl_base_s

@@ -74,6 +74,7 @@ class Dispatcher:
         instances: Collection[str] | None = None,
         decision: Decision | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> ChatStream | ChatResponse:
         if self.session is None:
             raise BearError("AsyncRouter is not started: use 'async with AsyncRouter(...)'")
@@ -100,6 +101,7 @@ class Dispatcher:
                 max_tokens=max_tokens or max_completion,
                 instances=instances,
                 tpot_target=tpot_target,
+                prompt_token_ids=prompt_token_ids,
             )
         caller_usage = bool((options or {}).get("include_usage"))
         body["stream"] = stream

@@ -21,6 +21,7 @@ __all__ = [
     "check_max_tokens",
     "check_target",
     "check_timeout",
+    "check_token_ids",
     "prompt_text",
 ]
 
@@ -98,6 +99,31 @@ def check_max_tokens(name: str, value: object) -> int | None:
             f"{name} must be an integer in [1, {MAX_TOKENS_LIMIT}] (got {short(value)})"
         )
     return n
+
+
+MAX_PROMPT_TOKEN_IDS = 1 << 21
+"""The longest prompt whose token ids a decision takes (2M tokens: any model's context)."""
+
+
+def check_token_ids(value: object) -> list[int] | None:
+    """``prompt_token_ids``: a sequence of token ids (integers >= 0), or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise RequestError(f"prompt_token_ids must be a list of integers (got {short(value)})")
+    if len(value) > MAX_PROMPT_TOKEN_IDS:
+        raise RequestError(
+            f"prompt_token_ids: at most {MAX_PROMPT_TOKEN_IDS} tokens (got {len(value)})"
+        )
+    ids: list[int] = []
+    for i, t in enumerate(value):
+        n = -1 if type(t) is bool or not isinstance(t, numbers.Integral) else int(t)
+        if not 0 <= n < 1 << 63:
+            raise RequestError(
+                f"prompt_token_ids[{i}] must be an integer in [0, 2**63) (got {short(t)})"
+            )
+        ids.append(n)
+    return ids
 
 
 def check_timeout(value: object) -> float | None:

@@ -371,6 +371,7 @@ class AsyncRouter(Runs):
         exclude: frozenset[str] = frozenset(),
         instances: Collection[str] | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Decision:
         """Choose an instance for a request (synchronous; no I/O).
 
@@ -384,6 +385,7 @@ class AsyncRouter(Runs):
             exclude=exclude,
             instances=instances,
             tpot_target=tpot_target,
+            prompt_token_ids=prompt_token_ids,
         )
 
     async def route(
@@ -393,10 +395,15 @@ class AsyncRouter(Runs):
         ttft_target: float | None = None,
         max_tokens: int | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Decision:
         """Choose an instance for a request without dispatching it (see :meth:`decide`)."""
         return self.core.decide(
-            prompt, ttft_target=ttft_target, max_tokens=max_tokens, tpot_target=tpot_target
+            prompt,
+            ttft_target=ttft_target,
+            max_tokens=max_tokens,
+            tpot_target=tpot_target,
+            prompt_token_ids=prompt_token_ids,
         )
 
     # ------------------------------------------------------------------ dispatch
@@ -408,6 +415,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -422,6 +430,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -436,6 +445,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -449,6 +459,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
         instances: Collection[str] | None = None,
@@ -463,6 +474,11 @@ class AsyncRouter(Runs):
             tpot_target: Target mean time per output token after the first,
                 seconds (default: none). BEAR then requires an instance
                 predicted to meet both (BEA follows the first tokens too).
+            prompt_token_ids: The prompt's token ids as the engines tokenize it
+                (chat template applied): BEA prices each instance's cached
+                prefix (see :meth:`RouterCore.decide
+                <bearsdk.router.core.RouterCore.decide>`). Routing only: the
+                engine gets the messages.
             stream: Stream the response: returns a :class:`ChatStream` yielding
                 the engine's chunks as they arrive.
             timeout_s: This request's timeout, connect to last byte (default:
@@ -502,6 +518,7 @@ class AsyncRouter(Runs):
             instances=instances,
             decision=decision,
             tpot_target=tpot_target,
+            prompt_token_ids=prompt_token_ids,
         )
 
     @overload
@@ -511,6 +528,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: Literal[True],
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -525,6 +543,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: Literal[False] = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -539,6 +558,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = ...,
         tpot_target: float | None = ...,
+        prompt_token_ids: Sequence[int] | None = ...,
         stream: bool = ...,
         timeout_s: float | None = ...,
         instances: Collection[str] | None = ...,
@@ -552,6 +572,7 @@ class AsyncRouter(Runs):
         *,
         ttft_target: float | None = None,
         tpot_target: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
         instances: Collection[str] | None = None,
@@ -573,6 +594,7 @@ class AsyncRouter(Runs):
             instances=instances,
             decision=decision,
             tpot_target=tpot_target,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def _fallback_order(self, d: Decision) -> list[str]:

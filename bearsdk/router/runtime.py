@@ -66,13 +66,17 @@ class InstanceRuntime:
             self._scopes[slot.name] = scope
             self._sources[slot.name] = source
             try:
-                if not self.calibrate:
-                    await source.run(slot.cache, task_status=task_status)
-                    return
-                online = self._online.setdefault(slot.name, OnlineBatchTime(slot.batch_time))
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._follow_batches, slot, online)
+                    if slot.config.kv_events is not None:
+                        await tg.start(self._follow_kv_events, slot)
+                    if self.calibrate:
+                        online = self._online.setdefault(
+                            slot.name, OnlineBatchTime(slot.batch_time)
+                        )
+                        tg.start_soon(self._follow_batches, slot, online)
                     await source.run(slot.cache, task_status=task_status)
+                    # The source stopped: so do the tasks that followed the instance.
+                    tg.cancel_scope.cancel()
             finally:
                 if self._scopes.get(slot.name) is scope:
                     del self._scopes[slot.name]
@@ -89,6 +93,32 @@ class InstanceRuntime:
         scope = self._scopes.pop(name, None)
         if scope is not None:
             scope.cancel()
+
+    async def _follow_kv_events(
+        self, slot: InstanceSlot, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Keep ``slot.kv_index`` from the engine's KV events (``InstanceConfig.kv_events``).
+
+        Without the ``kvevents`` extra it logs why and routes on without them.
+        """
+        try:
+            from bearsdk.kvevents.index import PrefixIndex
+            from bearsdk.kvevents.transport import KVEventSubscriber
+        except ImportError as exc:
+            log.error(
+                "%s: kv_events needs the kvevents extra (pip install 'bearsdk[kvevents]'): %s",
+                slot.name,
+                exc,
+            )
+            task_status.started()
+            return
+
+        pol = slot.scheduler
+        # Bounded by the pool (twice it: a block is stored again only after removal).
+        index = PrefixIndex(pol.block_size, max(2 * pol.num_blocks, 1 << 20))
+        slot.kv_index = index
+        sub = KVEventSubscriber(index, slot.config.kv_events or "", slot.config.kv_events_replay)
+        await sub.run(task_status=task_status)
 
     async def _follow_batches(self, slot: InstanceSlot, online: OnlineBatchTime) -> None:
         """Online recalibration from the engine's batch records (``GET /bear/batches``)."""

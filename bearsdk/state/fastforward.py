@@ -45,6 +45,7 @@ from bearsdk.snapshot import (
     STATE_RUNNING,
     STATE_WAITING,
     Snapshot,
+    snapshot_from_dict,
 )
 from bearsdk.state.overlay import Dispatch
 
@@ -117,7 +118,10 @@ class FastForward:
         if self._known is not None and len(snap.ids):
             known = self._known(snap.ids, snap.table[:, COL_OUTPUT])
             self._pinned = {rid for rid, k in zip(snap.ids, known.tolist(), strict=True) if k > 0}
-        prepared = geo.prepare(table, free, snap.ids)
+        # With the snapshot's block pool the virtual engine caches and evicts as
+        # the engine does, and the views it exports keep the pool (a request's
+        # cached prefix is priced on a fast-forwarded view too).
+        prepared = geo.prepare(table, free, snap.ids, snap.prefix_cache)
         core = SchedulerCore.from_prepared(geo, prepared, False, est.replay_coeffs)
         core.requests = {r.rid: r for r in (*core.running, *core.waiting)}
         self._core = core
@@ -215,6 +219,7 @@ class FastForward:
         remaining = self._t - to if (not self._idle and self._t > to) else 0.0
         snap = self.snapshot
         core = self._core
+        cache = None
         if core.pool is None:
             ids, flat = core.rows()
             table = np.array(flat, dtype=np.int64).reshape(len(ids), NCOLS)
@@ -223,6 +228,9 @@ class FastForward:
                 instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
             )
             ids, table = _table(doc)
+            # The block pool advanced too: a replay of this view still hits the
+            # prefixes cached by now (and the new request's keys find them).
+            cache = snapshot_from_dict(doc).prefix_cache
         if self._extended:
             # Kept running past its prediction: how much more is the predictor's
             # call again, given what it has produced by now.
@@ -239,6 +247,7 @@ class FastForward:
             table=table,
             inflight_remaining_s=remaining if remaining > 0 else None,
             epoch=snap.epoch,
+            prefix_cache=cache,
         )
 
     def exact_for(self, view: Snapshot, b0: float) -> float:

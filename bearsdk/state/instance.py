@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
@@ -295,6 +296,7 @@ class InstanceState:
         horizon_s: float = math.inf,
         next_tokens: int = 0,
         residents: bool = False,
+        prefix_keys: Sequence[int] | None = None,
     ) -> Estimate:
         """Predict the TTFT of a new request sent to this instance now.
 
@@ -319,6 +321,10 @@ class InstanceState:
                 time over the same batches with and without the new request
                 (a second replay, of the residents alone:
                 :attr:`Estimate.resident_itl_s`, ``docs/tpot.md``).
+            prefix_keys: The content keys of its full prompt blocks
+                (:func:`~bearsdk.replay.blocks.chain_keys` of its token ids): where
+                the snapshot carries the block pool (``kv.prefix_cache``), its
+                admission hits what is cached then (``docs/prefix-caching.md``).
 
         Returns:
             The estimate and how it was made.
@@ -354,6 +360,7 @@ class InstanceState:
                 horizon_s=horizon_s,
                 arrival_s=elapsed,
                 next_tokens=next_tokens,
+                prefix_keys=prefix_keys,
             )
             t = e.ttft_s
             tpot = math.nan if e.tpot_s is None else e.tpot_s
@@ -378,10 +385,17 @@ class InstanceState:
                 max_tokens=max_tokens,
                 horizon_s=horizon_s,
                 arrival_s=elapsed,
+                prefix_keys=prefix_keys,
             ).ttft_s
         else:
             t = est.ttft(
-                prep, prompt_tokens, output_len, max_tokens, horizon_s=horizon_s, arrival_s=elapsed
+                prep,
+                prompt_tokens,
+                output_len,
+                max_tokens,
+                prefix_keys=prefix_keys,
+                horizon_s=horizon_s,
+                arrival_s=elapsed,
             )
         return self._set(Estimate(t, mode, age, pending, t > horizon_s), now)
 
