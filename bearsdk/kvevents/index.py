@@ -34,10 +34,11 @@ __all__ = ["PrefixIndex", "hash_key"]
 
 
 def hash_key(h: bytes | int) -> int:
-    """vLLM's block hash as a ``kv.prefix_cache`` key: its first 8 bytes, big-endian,
-    63 bits (``docs/contracts.md``); an int hash (the emulator's, older vLLM) as is."""
+    """vLLM's block hash as a ``kv.prefix_cache`` key: its last 8 bytes, big-endian,
+    63 bits (``docs/contracts.md``), whether the event sent it as bytes or, as
+    vLLM does by default, as the int of those 8 bytes (the emulator's: its key)."""
     if isinstance(h, bytes):
-        return int.from_bytes(h[:8], "big") & KEY_MASK
+        return int.from_bytes(h[-8:], "big") & KEY_MASK
     return h & KEY_MASK
 
 
@@ -146,7 +147,7 @@ class PrefixIndex:
         """A prompt's chain as the engine's snapshot names its blocks, up to the first miss.
 
         The bearsdk vLLM publisher's ``kv.prefix_cache`` names a block by the
-        first 8 bytes of vLLM's hash (:func:`hash_key`); the emulator's by its
+        last 8 bytes of vLLM's hash (:func:`hash_key`); the emulator's by its
         content key. A replay given these keys hits the snapshot's blocks.
         """
         out = []

@@ -51,7 +51,7 @@ from typing import Any, Final
 import numpy as np
 
 from bearsdk.prefix_cache import MAX_CACHE_ENTRIES
-from bearsdk.vllm._prefix_frame import KeysText, PrefixFrame, key_of
+from bearsdk.vllm._prefix_frame import KeysText, PrefixFrame, key_of, key_of_grouped
 
 __all__ = ["PoolTracker", "PrefixExport", "PrefixHooks"]
 _FRAMES_KEPT: Final = 64
@@ -230,7 +230,7 @@ class PoolTracker:
         self.by_key.clear()
         self.epoch += 1
         for h, v in self.pool.cached_block_hash_to_block._cache.items():
-            k = key_of(h)
+            k = key_of_grouped(h)
             for blk in v.values() if isinstance(v, dict) else (v,):
                 self._insert(blk.block_id, k)
         q = self.pool.free_block_queue
@@ -267,7 +267,7 @@ class PoolTracker:
             try:
                 now = block.block_hash
                 if had is None and now is not None:
-                    ins(block.block_id, key_of(now))
+                    ins(block.block_id, key_of_grouped(now))
                 elif had is not None and now is not had:
                     self.unsupported = "a block with two hashes (several KV cache groups)"
             except Exception:

@@ -17,14 +17,24 @@ import numpy as np
 
 from bearsdk import _twins
 
-__all__ = ["KEY_MASK", "KeysText", "PrefixFrame", "json_ints", "key_of"]
+__all__ = ["KEY_MASK", "KeysText", "PrefixFrame", "json_ints", "key_of", "key_of_grouped"]
 
 KEY_MASK: Final = (1 << 63) - 1
 
 
 def key_of(h: bytes) -> int:
-    """A vLLM block hash (with its group id) as a ``bear.snapshot`` content key: first 8 bytes."""
-    return int.from_bytes(h[:8], "big") & KEY_MASK
+    """A vLLM block hash as a ``bear.snapshot`` content key: its last 8 bytes, 63 bits.
+
+    The hash vLLM's KV events send by default is the same 8 bytes as an int
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so that a router following the
+    events names a block as the snapshot does (``bearsdk.kvevents``).
+    """
+    return int.from_bytes(h[-8:], "big") & KEY_MASK
+
+
+def key_of_grouped(h: bytes) -> int:
+    """:func:`key_of` of a ``BlockHashWithGroupId`` (the hash, then 4 bytes of group id)."""
+    return int.from_bytes(h[-12:-4], "big") & KEY_MASK
 
 
 def _json_ints_py(values: Any) -> bytes:

@@ -36,8 +36,14 @@ KEY_MASK = (1 << 63) - 1
 
 
 def key_of(h: bytes) -> int:
-    """A vLLM block hash (or hash with group id) as a bear.snapshot content key."""
-    return int.from_bytes(bytes(h)[:8], "big") & KEY_MASK
+    """A vLLM block hash as a bear.snapshot content key: its last 8 bytes (the
+    publisher's ``key_of``; vLLM's KV events send them as the int hash)."""
+    return int.from_bytes(bytes(h)[-8:], "big") & KEY_MASK
+
+
+def key_of_grouped(h: bytes) -> int:
+    """:func:`key_of` of a hash with its 4-byte group id appended (the pool map's keys)."""
+    return int.from_bytes(bytes(h)[-12:-4], "big") & KEY_MASK
 
 
 def _runs(ix: list[int]) -> list[list[int]]:
@@ -60,7 +66,7 @@ def export(sched: Any, output_len: dict[str, int]) -> dict[str, Any]:
     entries: list[tuple[int, int]] = []  # (block id, key), the map's order
     for k, v in pool.cached_block_hash_to_block._cache.items():
         for b in v.values() if isinstance(v, dict) else (v,):
-            entries.append((b.block_id, key_of(k)))
+            entries.append((b.block_id, key_of_grouped(k)))
     index = {b: j for j, (b, _) in enumerate(entries)}
     keys = [k for _, k in entries]
     by_value: dict[int, int] = {}

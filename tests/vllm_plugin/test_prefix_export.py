@@ -19,7 +19,11 @@ import pytest
 from bearsdk.snapshot import decode_snapshot
 from bearsdk.vllm import _pub_py
 from bearsdk.vllm._prefix import PoolTracker, PrefixExport
-from bearsdk.vllm._prefix_frame import _json_ints_py, json_ints, key_of
+from bearsdk.vllm._prefix_frame import _json_ints_py, json_ints, key_of_grouped
+
+# vLLM keys its pool map and blocks by the hash with the KV cache group id
+# appended (4 bytes, big-endian: make_block_hash_with_group_id); group 0 here.
+GROUP0 = (0).to_bytes(4, "big")
 
 
 class Block:
@@ -227,7 +231,7 @@ class Engine:
         m = self.pool.cached_block_hash_to_block._cache
         hit: list[Block] = []
         for h in r.block_hashes[: (r.num_tokens - 1) // BS]:
-            b = m.get(h)
+            b = m.get(h + GROUP0)
             if b is None:
                 break
             hit.append(b if isinstance(b, Block) else next(iter(b.values())))
@@ -246,7 +250,7 @@ class Engine:
         if self.rng.random() < 0.3:
             full = self.rng.randint(len(hit), full)  # a chunk: later blocks not cached yet
         for i in range(len(hit), full):
-            self.pool._insert_block_hash(r.block_hashes[i], blocks[i], None)
+            self.pool._insert_block_hash(r.block_hashes[i] + GROUP0, blocks[i], None)
         self.mgr.num_cached_block[r.request_id] = max(full, len(hit))
         r.num_computed_tokens = r.num_tokens
         self.running.append(r)
@@ -314,7 +318,7 @@ def test_tracker_follows_the_pool_and_documents_validate(seed: int) -> None:
         pc = d["kv"]["prefix_cache"]
         assert pc["cached"] == sum(len(v) for v in want.values())
         held = {
-            key_of(b.block_hash)
+            key_of_grouped(b.block_hash)
             for r in e.running
             for b in e.mgr.req_to_blocks[r.request_id]
             if b.block_hash is not None
