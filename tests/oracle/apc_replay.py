@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from collections.abc import Iterator
 from typing import Any, cast
 
 from bearsdk.replay import implementations
 from bearsdk.replay._replay_py import Replayer as PyReplayer
 from bearsdk.replay.requests import CachedReq, PolicyGeometry, Req
 from bearsdk.replay.scheduler import SchedulerCore
+from bearsdk.replay.types import ReplayResult
 from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import snapshot_from_dict
 
@@ -70,6 +72,27 @@ def replay_batches(case: dict[str, Any]) -> list[dict[str, list[int]]]:
     raise RuntimeError("no first token within 100,000 schedule() calls")
 
 
+def replays(case: dict[str, Any], **kw: Any) -> Iterator[tuple[str, ReplayResult]]:
+    """Each replay implementation's ``replay`` of ``case`` (its batches recorded)."""
+    cfg, new = case["config"], case["new"]
+    snap = snapshot_from_dict(case["snapshot"])
+    assert snap.kv is not None
+    for impl, make in implementations().items():
+        rp = make(_policy(cfg))
+        prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        res = rp.replay(
+            prep,
+            new["prompt_tokens"],
+            new["output_len"],
+            COEFFS,
+            record=True,
+            max_tokens=new["max_tokens"],
+            prefix_keys=new["prefix_keys"] or None,
+            **kw,
+        )
+        yield impl, res
+
+
 def check(case: dict[str, Any]) -> str | None:
     """The first difference between vLLM's batches and the replay's, or ``None``."""
     got = replay_batches(case)
@@ -81,22 +104,8 @@ def check(case: dict[str, Any]) -> str | None:
         return f"first token: vllm batch {len(want)}, bearsdk {len(got)}"
     # Each twin's entry point agrees with the loop run by hand: the same
     # batches (tokens by request, eq. 12 terms) and the same TTFT to the bit.
-    cfg, new = case["config"], case["new"]
-    snap = snapshot_from_dict(case["snapshot"])
-    assert snap.kv is not None
     ref = None
-    for impl, make in implementations().items():
-        rp = make(_policy(cfg))
-        prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
-        res = rp.replay(
-            prep,
-            new["prompt_tokens"],
-            new["output_len"],
-            COEFFS,
-            record=True,
-            max_tokens=new["max_tokens"],
-            prefix_keys=new["prefix_keys"],
-        )
+    for impl, res in replays(case):
         if res.first_token_batch != len(want):
             got_k = res.first_token_batch
             return f"{impl} Replayer.replay: first token at {got_k}, vllm {len(want)}"

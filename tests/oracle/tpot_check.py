@@ -25,32 +25,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bearsdk.replay import implementations  # noqa: E402
 from bearsdk.replay.requests import NEW_REQUEST_ID  # noqa: E402
-from bearsdk.snapshot import snapshot_from_dict  # noqa: E402
-from oracle.apc_replay import COEFFS, _policy, load  # noqa: E402
+from oracle.apc_replay import load, replays  # noqa: E402
 
 
 def check(case: dict[str, Any], next_tokens: int) -> str | None:
     """The first difference between vLLM's token batches and each twin's, or ``None``."""
-    cfg, new = case["config"], case["new"]
+    new = case["new"]
     want = case["token_batches"][: 1 + next_tokens]
-    snap = snapshot_from_dict(case["snapshot"])
-    assert snap.kv is not None
     ref = None
-    for impl, make in implementations().items():
-        rp = make(_policy(cfg))
-        prep = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
-        res = rp.replay(
-            prep,
-            new["prompt_tokens"],
-            new["output_len"],
-            COEFFS,
-            record=True,
-            max_tokens=new["max_tokens"],
-            prefix_keys=new["prefix_keys"] or None,
-            next_tokens=next_tokens,
-        )
+    for impl, res in replays(case, next_tokens=next_tokens):
         got = list(res.token_batches)
         if got != want:
             for i, (w, g) in enumerate(zip(want, got, strict=False)):
