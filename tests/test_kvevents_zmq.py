@@ -167,4 +167,8 @@ async def test_the_router_prices_the_prefix_an_instance_announced_in_its_events(
             t = {c.instance: c.ttft_s for c in d.candidates}
             assert t[warm] < 0.5 * t[cold]
             assert d.instance == warm
+            # What the instance announced: its index's hit, in tokens.
+            cached = {c.instance: c.cached_tokens for c in d.candidates}
+            assert cached[warm] >= len(ids) - 16
+            assert cached[cold] == 0
             assert router.core.slot(cold).kv_index is not None

@@ -266,6 +266,11 @@ async def test_the_prompts_token_ids_price_the_prefix_each_instance_holds() -> N
         assert t[warm] < 0.5 * t[cold]
         assert seen.instance == warm
         assert all(c.prompt_tokens == len(ids) for c in seen.candidates)
+        cached = {c.instance: c.cached_tokens for c in seen.candidates}
+        assert cached[cold] == 0
+        assert cached[warm] >= len(ids) - 16
+        assert "cached" in seen.explain()
+        assert all(c.cached_tokens == -1 for c in blind.candidates)
         next(iter(pool)).abort(first.id)
         assert all(c.prompt_tokens != len(ids) for c in blind.candidates)
         with pytest.raises(RequestError, match="prompt_token_ids"):

@@ -145,6 +145,28 @@ class PreparedSnapshot:
     residents_memo: dict[tuple[tuple[float, ...], int], tuple[int, float]] = attrs.field(
         factory=dict, init=False, repr=False
     )
+    # The snapshot's cached block keys, as a set (built on the first prefix lookup;
+    # a list holding it, the class being frozen).
+    _cached_keys: list[frozenset[int]] = attrs.field(factory=list, init=False, repr=False)
+
+    def cached_blocks(self, keys: Sequence[int]) -> int:
+        """How many of a prompt's chain of keys the snapshot's cache holds, from the start.
+
+        What the engine would hit were the request admitted at the snapshot (the
+        replay looks up again at its admission). ``0`` without ``kv.prefix_cache``.
+        """
+        pc = self.snapshot.prefix_cache
+        if pc is None:
+            return 0
+        if not self._cached_keys:
+            self._cached_keys.append(frozenset(pc.keys[: pc.cached]))
+        got = self._cached_keys[0]
+        n = 0
+        for k in keys:
+            if k not in got:
+                break
+            n += 1
+        return n
 
 
 def _overtaking_impossible(pol: Policy) -> bool:

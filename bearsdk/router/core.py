@@ -160,6 +160,16 @@ class InstanceSlot:
 _MAX_PREFILL_SHARE: Final = 0.9
 
 
+def _cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> int:
+    """The prompt tokens ``s`` last said it held (its KV events, else its snapshot; -1: unknown)."""
+    if s.kv_index is not None:
+        return s.kv_index.hit_blocks(keys) * bs
+    entry = s.cache.entry
+    if entry is None or entry.prepared is None or entry.snapshot.prefix_cache is None:
+        return -1
+    return entry.prepared.cached_blocks(keys) * bs
+
+
 def _block_size(s: InstanceSlot) -> int:
     """The block size the instance's snapshots count in (else its scheduler's)."""
     entry = s.cache.entry
@@ -518,12 +528,13 @@ class RouterCore:
                 speed_factor=speed,
                 overhead_s=overhead,
                 ttft_lower_bound=bound,
+                cached_tokens=cached,
                 tpot_s=o.tpot_s,
                 resident_itl_s=o.resident_itl_s,
                 resident_itl_base_s=o.resident_itl_base_s,
                 resident_tpot_target_s=o.resident_tpot_target_s,
             )
-            for i, (o, est, age, ptok, out, speed, overhead, bound) in enumerate(cands)
+            for i, (o, est, age, ptok, out, speed, overhead, bound, cached) in enumerate(cands)
         )
         j = chosen.model_index
         d = Decision(
@@ -563,13 +574,13 @@ class RouterCore:
         horizon: float = math.inf,
         next_tokens: int = 0,
         token_ids: list[int] | None = None,
-    ) -> list[tuple[Option, str, float, int, int, float, float, bool]]:
+    ) -> list[tuple[Option, str, float, int, int, float, float, bool, int]]:
         lam = self.selector.lam
         kind = self.selector.latency
         weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
         # The prompt's chain of block keys, once per block size in the pool.
         chains: dict[int, list[int]] = {}
-        out_rows: list[tuple[Option, str, float, int, int, float, float, bool]] = []
+        out_rows: list[tuple[Option, str, float, int, int, float, float, bool, int]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
         ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
@@ -588,11 +599,16 @@ class RouterCore:
             # (Only a selector that weighs residents needs them: min() is O(requests there).)
             tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
             extra: dict[str, Any] = {}
-            if token_ids is not None and getattr(est, "prefix_aware", False):
+            cached = -1
+            keys: list[int] = []
+            if token_ids is not None:
                 bs = _block_size(s)
-                keys = chains.get(bs)
-                if keys is None:
-                    keys = chains[bs] = chain_keys(token_ids, bs)
+                got = chains.get(bs)
+                if got is None:
+                    got = chains[bs] = chain_keys(token_ids, bs)
+                keys = got
+                cached = _cached_tokens(s, keys, bs)
+            if token_ids is not None and getattr(est, "prefix_aware", False):
                 # With the instance's KV events: its snapshot names blocks by vLLM's
                 # hashes, which the index maps the prompt's content keys to.
                 extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
@@ -641,7 +657,17 @@ class RouterCore:
             )
             speed = 1.0 if s.speed is None else s.speed.factor
             out_rows.append(
-                (option, lat.estimator, lat.age_s, ptok, out, speed, overhead, lat.lower_bound)
+                (
+                    option,
+                    lat.estimator,
+                    lat.age_s,
+                    ptok,
+                    out,
+                    speed,
+                    overhead,
+                    lat.lower_bound,
+                    cached,
+                )
             )
         return out_rows
 
