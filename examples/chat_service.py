@@ -115,10 +115,15 @@ async def main(args: argparse.Namespace, sock: socket.socket) -> int:
         try:
             await web.SockSite(runner, sock).start()
             url = "http://{}:{}".format(*sock.getsockname()[:2])
-            print(f"chat service on {url} routing over {', '.join(router.instances)}", flush=True)
-            if args.self_test:
-                return 0 if await self_test(url) else 1
+            # The receiver first: a Ctrl-C right after the ready line must find it,
+            # not the start-up handler (which, raised inside an import, is ignored).
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                print(
+                    f"chat service on {url} routing over {', '.join(router.instances)}",
+                    flush=True,
+                )
+                if args.self_test:
+                    return 0 if await self_test(url) else 1
                 async for _ in signals:
                     return 130
             return 130
