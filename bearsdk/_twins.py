@@ -35,6 +35,7 @@ PAIRS: Final[dict[str, tuple[str, str]]] = {
     "features": ("bearsdk.predictors._features_c", "bearsdk.predictors._features_py"),
     "shm": ("bearsdk.io._shm_c", "bearsdk.io._shm_py"),
     "vllm-publisher": ("bearsdk.vllm._pub_c", "bearsdk.vllm._pub_py"),
+    "prefix-index": ("bearsdk.kvevents._index_c", "bearsdk.kvevents._index_py"),
 }
 """Each twin pair by name: (compiled module, pure-Python twin)."""
 

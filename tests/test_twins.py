@@ -35,10 +35,12 @@ def test_every_selector_follows_the_switch(flag: str) -> None:
         "from bearsdk.predictors import _impl\n"
         "from bearsdk.replay import IMPLEMENTATION as replay\n"
         "from bearsdk.vllm import publisher\n"
+        "from bearsdk.kvevents import index\n"
         "print(json.dumps({'loaded': _twins.loaded(), 'actual': {'replay': replay,"
         " 'snapshot': 'python' if snapshot._scan is None else 'cython',"
         " 'features': _impl.IMPLEMENTATION, 'shm': shm.IMPLEMENTATION,"
-        " 'vllm-publisher': publisher.IMPLEMENTATION}}))\n"
+        " 'vllm-publisher': publisher.IMPLEMENTATION,"
+        " 'prefix-index': index.IMPLEMENTATION}}))\n"
     )
     env = {**os.environ, "BEARSDK_NO_EXTENSIONS": flag}
     out = subprocess.run(

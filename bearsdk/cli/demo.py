@@ -16,6 +16,11 @@ AlpacaEval 2.0 judgement, and each engine answers it with that model's real
 answer length; the router's predictor is trained in place on the even ids.
 AlpacaEval data are CC BY-NC 4.0: read in place, for evaluation only.
 
+With ``--workload agents``, multi-turn agent sessions run on four emulated
+prefix-caching engines, and BEAR routes them knowing the cache (the engines'
+KV events and the prompts' tokens), approximately (what it sent where), or not
+at all (:mod:`bearsdk.cli.demo_agents`).
+
 Runs go in parallel worker processes (``--jobs``, default: one per idle core)
 so that one run's engines do not steal another's event loop. Emulated engines
 run in real time, so a busy machine makes them run late: a run whose requests
@@ -74,7 +79,7 @@ ALPACA_INSTANCES = (
 )
 """``--workload alpaca-eval``: (instance, served model, emulator profile of the nearest size)."""
 
-WORKLOADS = ("tasks", "alpaca-eval")
+WORKLOADS = ("tasks", "alpaca-eval", "agents")
 """The paper's four synthetic tasks, or held-out AlpacaEval prompts with real judgements."""
 
 DEMO_POLICIES = (
@@ -580,9 +585,24 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-_SLOWDOWN = {"tasks": 3.0, "alpaca-eval": 10.0}
+_SLOWDOWN = {"tasks": 3.0, "alpaca-eval": 10.0, "agents": 10.0}
 """Default ``--slowdown`` per workload: AlpacaEval prompts (~40 tokens) prefill in
 microseconds, so its engines must be slower for the TTFT targets to bind."""
+
+
+def _run_agents(args: argparse.Namespace) -> int:
+    from bearsdk.cli.demo_agents import AGENT_ROUTERS, agents_table, run_agents
+
+    rates = args.rates or [2.0, 4.0, 8.0]
+    print(
+        f"bearsdk demo --workload agents: {len(AGENT_ROUTERS)} routers x {len(rates)} session "
+        f"rates, {args.duration:g} s of session arrivals each, one run at a time",
+        flush=True,
+    )
+    runs = run_agents(rates, duration_s=args.duration, seed=args.seed, slowdown=args.slowdown)
+    print()
+    print(agents_table(runs, args.slowdown))
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -590,6 +610,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.slowdown is None:
         args.slowdown = _SLOWDOWN[args.workload]
+    if args.workload == "agents":
+        return _run_agents(args)
+    if args.rates is None:
+        args.rates = [4.0, 10.0, 16.0]
     if args.plot is not None:
         # Before the runs: an unwritable plot must not cost the whole demo.
         writable_file(str(args.plot), "--plot")
@@ -713,8 +737,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--rates",
         type=_rates,
-        default=[4.0, 10.0, 16.0],
-        help="arrival rates, requests/s, comma-separated (default: 4,10,16)",
+        default=None,
+        help="arrival rates, requests/s, comma-separated (default: 4,10,16; with "
+        "--workload agents: sessions/s, default 2,4,8)",
     )
     p.add_argument(
         "--policies",
@@ -746,9 +771,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--workload",
         choices=WORKLOADS,
         default="tasks",
-        help="the paper's four tasks on the Qwen3 pool (default), or held-out AlpacaEval "
+        help="the paper's four tasks on the Qwen3 pool (default), held-out AlpacaEval "
         "prompts with real judgements and answer lengths on the FuseChat-3.0 pool "
-        "(needs the AlpacaEval data: --data-dir or BEARSDK_DATA, see docs/data.md)",
+        "(needs the AlpacaEval data: --data-dir or BEARSDK_DATA, see docs/data.md), or "
+        "multi-turn agent sessions on prefix-caching engines, BEAR with and without the cache",
     )
     p.add_argument(
         "--data-dir",

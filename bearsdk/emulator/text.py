@@ -303,7 +303,7 @@ class Tokenizer:
 
 
 def message_text(msg: Mapping[str, Any], index: int) -> str:
-    """The text of one chat message's ``content`` (string or text parts)."""
+    """The text of one chat message's ``content`` (string, or text parts one per line)."""
     content = msg.get("content")
     if content is None:
         return ""
@@ -318,7 +318,8 @@ def message_text(msg: Mapping[str, Any], index: int) -> str:
             if not isinstance(text, str):
                 raise ChatMessageError(f"messages.{index}.content.{j}.text", "must be a string")
             texts.append(text)
-        return "".join(texts)
+        # One part per line, as vLLM joins them for string-content templates.
+        return "\n".join(texts)
     raise ChatMessageError(f"messages.{index}.content", "must be a string or a list", content)
 
 

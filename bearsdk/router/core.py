@@ -49,9 +49,11 @@ from bearsdk.estimators.registry import (
     estimator_names,
 )
 from bearsdk.estimators.stats import InstanceStats
+from bearsdk.kvevents.index import text_chain
 from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.predictors.protocol import PoolPredictor
-from bearsdk.replay.blocks import chain_keys
+from bearsdk.prompts.approx import BLOCK_CHARS, DispatchIndex
+from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
@@ -66,6 +68,7 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
+from bearsdk.router.prompts import PromptEncoders
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import bind_scheduler
@@ -77,6 +80,7 @@ from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 
 if TYPE_CHECKING:
     from bearsdk.kvevents.index import PrefixIndex
+    from bearsdk.prompts.tokenizer import ChatTokenizer
 
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
@@ -144,6 +148,8 @@ class InstanceSlot:
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
     # Its cached blocks from its KV events (InstanceConfig.kv_events; the runtime feeds it).
     kv_index: PrefixIndex | None = None
+    # What the router sent here, by character blocks (RouterCore(dispatch_prefixes=True)).
+    dispatches: DispatchIndex | None = None
     # The TPOT targets of the requests sent here and not finished (by request id):
     # the residents an admission must not push past theirs (issue 21).
     tpot_targets: dict[str, float] = attrs.Factory(dict)
@@ -160,14 +166,22 @@ class InstanceSlot:
 _MAX_PREFILL_SHARE: Final = 0.9
 
 
-def _cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> int:
-    """The prompt tokens ``s`` last said it held (its KV events, else its snapshot; -1: unknown)."""
+def _cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> tuple[int, str]:
+    """The prompt tokens ``s`` last said it held and how it said it (its KV events,
+    else its snapshot's block pool; ``-1``: unknown)."""
     if s.kv_index is not None:
-        return s.kv_index.hit_blocks(keys) * bs
+        return s.kv_index.hit_blocks(keys) * bs, "events"
     entry = s.cache.entry
     if entry is None or entry.prepared is None or entry.snapshot.prefix_cache is None:
-        return -1
-    return entry.prepared.cached_blocks(keys) * bs
+        return -1, ""
+    return entry.prepared.cached_blocks(keys) * bs, "snapshot"
+
+
+def _dispatch_index(sched: BoundScheduler) -> DispatchIndex:
+    """An LRU model of the instance's cache: its KV capacity in character blocks
+    (about four characters a token; an unlimited pool: a million blocks)."""
+    tokens = sched.num_blocks * sched.block_size if sched.num_blocks > 0 else 1 << 24
+    return DispatchIndex(max(1, tokens * 4 // BLOCK_CHARS))
 
 
 def _block_size(s: InstanceSlot) -> int:
@@ -216,6 +230,17 @@ class RouterCore:
             is copied for each instance (its ``base`` replaced by the instance's).
         explore: Bounded exploration of instances without recent speed
             evidence (``None``: never; see :mod:`bearsdk.router.explore`).
+        tokenizers: Per model (the pool's ``model`` names), its tokenizer: a
+            :class:`~bearsdk.prompts.tokenizer.ChatTokenizer` or a model
+            directory (``tokenizer.json`` and chat template; the
+            ``tokenizers`` extra). Each request is then tokenized once per
+            model as its engines do, and BEA replays every candidate with the
+            prompt's exact length and block chain (the prefix the instance
+            holds); see :mod:`bearsdk.router.prompts`.
+        dispatch_prefixes: Estimate each prefix-caching instance's cached
+            prefix from what the router sent there, where neither its KV events
+            nor the prompt's token ids tell (approximate, by character blocks;
+            :mod:`bearsdk.prompts.approx`).
 
     Raises:
         ConfigError: An invalid pool, or a selector whose latency estimator is
@@ -236,6 +261,8 @@ class RouterCore:
         breaker: CircuitBreaker | None = None,
         speed: SpeedTracker | None = DEFAULT_SPEED,
         explore: Exploration | None = DEFAULT_EXPLORATION,
+        tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
+        dispatch_prefixes: bool = False,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         # An empty pool is valid: instances may all come at run time (add, discovery).
@@ -262,6 +289,8 @@ class RouterCore:
         self._explorer = None if explore is None or speed is None else Explorer(explore)
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
+        self.prompts = PromptEncoders.build(tokenizers)
+        self.dispatch_prefixes = dispatch_prefixes
         self._slots: dict[str, InstanceSlot] = {}
         self._lengths: dict[str, RememberedLengths] = {}
         self._models = list(self.predictor.models)
@@ -321,6 +350,8 @@ class RouterCore:
         if self._speed is not None:
             slot.speed = attrs.evolve(self._speed, base=bt)
             cache.on_accept = functools.partial(self._snapshot_accepted, slot)
+        if self.dispatch_prefixes and sched.prefix_caching:
+            slot.dispatches = _dispatch_index(sched)
         self._slots[cfg.name] = slot
         return slot
 
@@ -462,7 +493,7 @@ class RouterCore:
         t0 = time.perf_counter()
         ttft_target = check_target(ttft_target)
         tpot = check_target(tpot_target, "tpot_target")
-        token_ids = check_token_ids(prompt_token_ids)
+        given = check_token_ids(prompt_token_ids)
         tpot_s = math.inf if tpot is None else tpot
         max_tokens = check_max_tokens("max_tokens", max_tokens)
         if request_id is not None and not (
@@ -472,7 +503,8 @@ class RouterCore:
                 f"request_id must be a string of 1 to 256 characters (got {short(request_id)})"
             )
         now = self.clock()
-        pred = self.predictor.predict(prompt_text(prompt), quantiles=False)
+        text = prompt_text(prompt)
+        pred = self.predictor.predict(text, quantiles=False)
         slots = [
             s
             for s in self._slots.values()
@@ -491,7 +523,17 @@ class RouterCore:
         horizon = self._horizon(target)
         want = getattr(sel_, "next_tokens", None)
         follow = 0 if want is None else int(want(tpot_s))
-        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow, token_ids)
+        if given is not None:
+            ids: PromptIds | dict[str, PromptIds] | None = PromptIds(given)
+        elif self.prompts:
+            ids = self.prompts.encode(prompt, {s.config.model for s in slots})
+        else:
+            ids = None
+        # Instances known only by what was sent there: the text's character blocks.
+        approx = (
+            text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
+        )
+        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow, ids, (text, approx))
         if want is None:
             sel = sel_.select([c[0] for c in cands], target)
         else:
@@ -510,6 +552,8 @@ class RouterCore:
             if got is not None:
                 index, reason = got
         chosen = slots[index]
+        if chosen.dispatches is not None and approx is not None:
+            chosen.dispatches.record(approx)
         candidates = tuple(
             Candidate(
                 instance=o.instance,
@@ -529,12 +573,15 @@ class RouterCore:
                 overhead_s=overhead,
                 ttft_lower_bound=bound,
                 cached_tokens=cached,
+                cache_source=source,
                 tpot_s=o.tpot_s,
                 resident_itl_s=o.resident_itl_s,
                 resident_itl_base_s=o.resident_itl_base_s,
                 resident_tpot_target_s=o.resident_tpot_target_s,
             )
-            for i, (o, est, age, ptok, out, speed, overhead, bound, cached) in enumerate(cands)
+            for i, (o, est, age, ptok, out, speed, overhead, bound, cached, source) in enumerate(
+                cands
+            )
         )
         j = chosen.model_index
         d = Decision(
@@ -573,14 +620,17 @@ class RouterCore:
         now: float,
         horizon: float = math.inf,
         next_tokens: int = 0,
-        token_ids: list[int] | None = None,
-    ) -> list[tuple[Option, str, float, int, int, float, float, bool, int]]:
+        ids: PromptIds | dict[str, PromptIds] | None = None,
+        approx: tuple[str, list[int] | None] = ("", None),
+    ) -> list[tuple[Option, str, float, int, int, float, float, bool, int, str]]:
         lam = self.selector.lam
         kind = self.selector.latency
         weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
-        # The prompt's chain of block keys, once per block size in the pool.
-        chains: dict[int, list[int]] = {}
-        out_rows: list[tuple[Option, str, float, int, int, float, float, bool, int]] = []
+        # The prompt's ids: the caller's for every instance, or each model's own
+        # (chains of block keys computed once per model and block size).
+        shared = ids if isinstance(ids, PromptIds) else None
+        by_model = ids if isinstance(ids, dict) else None
+        out_rows: list[tuple[Option, str, float, int, int, float, float, bool, int, str]] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
         ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
@@ -590,8 +640,9 @@ class RouterCore:
             out = int(outs[j])
             if max_tokens is not None:
                 out = min(out, max_tokens)
-            # The engines' own count when the caller gave the token ids.
-            ptok = len(token_ids) if token_ids else max(1, int(ptoks[j]))
+            p = shared if by_model is None else by_model.get(s.config.model)
+            # The engines' own count when the prompt's ids are known.
+            ptok = len(p) if p else max(1, int(ptoks[j]))
             cost = costs[j] * _MICRO
             est = s.estimators.get(kind)
             if est is None:
@@ -599,16 +650,21 @@ class RouterCore:
             # (Only a selector that weighs residents needs them: min() is O(requests there).)
             tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
             extra: dict[str, Any] = {}
-            cached = -1
+            cached, source = -1, ""
             keys: list[int] = []
-            if token_ids is not None:
+            if p is not None:
                 bs = _block_size(s)
-                got = chains.get(bs)
-                if got is None:
-                    got = chains[bs] = chain_keys(token_ids, bs)
-                keys = got
-                cached = _cached_tokens(s, keys, bs)
-            if token_ids is not None and getattr(est, "prefix_aware", False):
+                keys = p.chain(bs)
+                cached, source = _cached_tokens(s, keys, bs)
+            eptok = ptok
+            if cached < 0 and s.dispatches is not None and approx[1] is not None:
+                # Characters to tokens at this prompt's own ratio; the engine always
+                # computes the last token. The replay prices the rest of the prompt.
+                hit = s.dispatches.hit_blocks(approx[1]) * BLOCK_CHARS
+                cached = min(ptok - 1, hit * ptok // max(1, len(approx[0])))
+                source = "dispatches"
+                eptok = ptok - cached
+            if p is not None and getattr(est, "prefix_aware", False):
                 # With the instance's KV events: its snapshot names blocks by vLLM's
                 # hashes, which the index maps the prompt's content keys to.
                 extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
@@ -616,7 +672,7 @@ class RouterCore:
                 ov = _overhead(s, now)
                 left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
                 lat = est.estimate(  # type: ignore[call-arg]
-                    ptok,
+                    eptok,
                     out,
                     max_tokens,
                     now,
@@ -631,10 +687,10 @@ class RouterCore:
                 # A target already eaten by the overhead (a tiny one, or a held request's
                 # near its deadline) still gets an estimate: the first batch, a lower bound.
                 left = max(horizon - ov, _MIN_HORIZON_S)
-                lat = est.estimate(ptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
+                lat = est.estimate(eptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
                 overhead = ov if lat.replayed else 0.0
             else:
-                lat = est.estimate(ptok, out, max_tokens, now, **extra)
+                lat = est.estimate(eptok, out, max_tokens, now, **extra)
                 overhead = _overhead(s, now) if lat.replayed else 0.0
             tpot = lat.tpot_s
             itl, itl_base = lat.resident_itl_s, lat.resident_itl_base_s
@@ -667,6 +723,7 @@ class RouterCore:
                     overhead,
                     lat.lower_bound,
                     cached,
+                    source,
                 )
             )
         return out_rows

@@ -50,9 +50,14 @@ class Candidate:
         resident_itl_base_s: The same without it: the harm is the difference.
         resident_tpot_target_s: The tightest TPOT target among the requests the
             router had there (``inf``: none, or the selector weighs no residents).
-        cached_tokens: With the prompt's token ids: the prompt tokens the
-            instance held in its prefix cache when the router last heard from it
-            (its KV events, else its snapshot's block pool); ``-1``: not known.
+        cached_tokens: The prompt tokens the instance held in its prefix cache:
+            with the prompt's token ids, when the router last heard from it (its
+            KV events, else its snapshot's block pool); else, with
+            ``dispatch_prefixes``, an estimate from what the router sent there;
+            ``-1``: not known.
+        cache_source: Where ``cached_tokens`` comes from: ``"events"``,
+            ``"snapshot"``, ``"dispatches"`` (approximate: the prompt's length
+            is discounted by it in the TTFT estimate), or ``""``.
     """
 
     instance: str
@@ -76,6 +81,7 @@ class Candidate:
     resident_itl_base_s: float = math.nan
     resident_tpot_target_s: float = math.inf
     cached_tokens: int = -1
+    cache_source: str = ""
 
     @property
     def harm_s(self) -> float:
@@ -151,7 +157,8 @@ class Decision:
             ge = ">=" if c.ttft_lower_bound else "  "
             tpot = "" if math.isnan(c.tpot_s) else f" tpot {c.tpot_s * 1e3:6.2f} ms"
             if c.cached_tokens >= 0:
-                tpot += f" cached {c.cached_tokens} tok"
+                about = "~" if c.cache_source == "dispatches" else ""
+                tpot += f" cached {about}{c.cached_tokens} tok"
             if not math.isnan(c.harm_s):
                 tpot += (
                     f" residents {c.resident_itl_base_s * 1e3:.2f}->"

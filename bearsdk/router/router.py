@@ -61,6 +61,7 @@ from bearsdk.state.speed import SpeedTracker
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
     from bearsdk.io.base import SourceStats
+    from bearsdk.prompts.tokenizer import ChatTokenizer
 
 __all__ = [
     "AsyncRouter",
@@ -121,6 +122,17 @@ class AsyncRouter(Runs):
             replay the coefficients as they are). See ``docs/calibration.md``.
         explore: Bounded exploration of instances with no recent speed
             evidence (:class:`~bearsdk.router.Exploration`; ``None``: never).
+        tokenizers: Per model (the pool's ``model`` names), its tokenizer: a
+            :class:`~bearsdk.prompts.tokenizer.ChatTokenizer` or a model
+            directory (``tokenizer.json`` and chat template; the
+            ``tokenizers`` extra). Each request is then tokenized once per
+            model as its engines do, and BEA replays every candidate with the
+            prompt's exact length and block chain (the prefix the instance
+            holds); see :mod:`bearsdk.router.prompts`.
+        dispatch_prefixes: Estimate each prefix-caching instance's cached
+            prefix from what the router sent there, where neither its KV events
+            nor the prompt's token ids tell (approximate, by character blocks;
+            :mod:`bearsdk.prompts.approx`).
     """
 
     def __init__(
@@ -144,6 +156,8 @@ class AsyncRouter(Runs):
         max_body_bytes: int = 64 << 20,
         speed: SpeedTracker | None = DEFAULT_SPEED,
         explore: Exploration | None = DEFAULT_EXPLORATION,
+        tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
+        dispatch_prefixes: bool = False,
         policy: Selector | None = _UNSET,
     ) -> None:
         if policy is not _UNSET:
@@ -186,6 +200,8 @@ class AsyncRouter(Runs):
             breaker=breaker,
             speed=speed,
             explore=explore,
+            tokenizers=tokenizers,
+            dispatch_prefixes=dispatch_prefixes,
         )
         self._dispatch = Dispatcher(
             self.core,
