@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bearsdk import InstanceConfig, load_pool_config
 from bearsdk.emulator import EnginePool, GroundTruthParams
@@ -82,3 +82,43 @@ async def pool_for(args: argparse.Namespace) -> AsyncIterator[list[InstanceConfi
             )
             for c, e in zip(pool.instance_configs(), pool, strict=True)
         ]
+
+
+@contextlib.asynccontextmanager
+async def cached_pool_for(
+    args: argparse.Namespace,
+) -> AsyncIterator[tuple[list[InstanceConfig], dict[str, Any]]]:
+    """Like :func:`pool_for`, for a router that routes on the engines' prefix caches.
+
+    Yields the instances and the router's keyword arguments. Emulated engines
+    (prefix caching is on, as in vLLM) also publish their KV events, and the
+    router tokenizes prompts with each model's tokenizer and chat template as
+    the engines do; a pool file's real servers get the router's approximate
+    index of what it sent where (give ``kv_events`` in the pool file to follow
+    their events).
+    """
+    if args.pool:
+        yield list(args.pool), {"dispatch_prefixes": True}
+        return
+    from bearsdk.emulator.chat_tokenizer import stand_in_chat_tokenizer
+
+    slow = GroundTruthParams(time_scale=args.slowdown)
+    async with EnginePool.of(*PROFILES, time_model=slow, kv_events=True) as pool:
+        configs = []
+        for c, e in zip(pool.instance_configs(), pool, strict=True):
+            ends = e.kv_events_endpoints
+            assert ends is not None
+            configs.append(
+                InstanceConfig(
+                    name=c.name,
+                    url=c.url,
+                    model=c.model,
+                    scheduler=c.scheduler,
+                    scheduler_params=c.params,
+                    batch_time=e.time_model.fit_eq12(),
+                    kv_events=ends[0],
+                    kv_events_replay=ends[1],
+                )
+            )
+        tokenizers = {e.model_name: stand_in_chat_tokenizer(e.tokenizer) for e in pool}
+        yield configs, {"tokenizers": tokenizers}

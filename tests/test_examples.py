@@ -29,12 +29,21 @@ def test_chat_service_answers_streamed_and_whole_requests() -> None:
     assert "bad JSON -> HTTP 400" in out
 
 
-def test_agent_steps_carry_their_targets() -> None:
-    out = run("agent.py", "--agents", "3", "--spread", "0.2", "--slowdown", "1")
+def test_agent_steps_carry_their_targets_and_follow_their_cache() -> None:
+    out = run("agent.py", "--agents", "3", "--spread", "0.2", "--slowdown", "1", "--explain", "2")
     assert "3 agents, 12 model calls" in out
+    header = out.splitlines()[-4]
+    assert "cached" in header
+    assert "on cache" in header
     for step, target in (("plan", "0.30s"), ("act", "1.50s"), ("summarise", "0.40s")):
         line = next(ln for ln in out.splitlines() if ln.startswith(step))
         assert target in line
+        # Every step resends the conversation: the instance chosen held some of it
+        # (the shared system prompt at least, once a first agent has been served).
+        cached = int(line.split()[5])
+        assert cached > 0 if step != "plan" else cached >= 0
+    # The first decisions, in full: each candidate with the tokens it held.
+    assert out.count("cached ") >= 2 * 3
 
 
 def test_batch_eval_replays_a_trace() -> None:
