@@ -17,6 +17,12 @@ the cache on adds ``kv.prefix_cache`` and three request fields
     The free queue from its front (next to be reused) to its back: an entry
     ``i >= 0`` is cached block ``keys[i]``; ``-n`` is ``n`` blocks that hold no
     findable content.
+``kv.prefix_cache.events_seq`` (optional)
+    The sequence number of the last KV event batch the engine had published
+    when it took the snapshot, from an engine whose KV events name blocks by
+    these keys (the emulator's): a router that lost batches its replay socket
+    no longer holds rebuilds its index from this snapshot, then applies the
+    batches after it (``docs/prefix-caching.md``, "KV events").
 ``requests[i].blocks`` (running requests)
     Its cached blocks, first to last, as ``[start, count]`` runs of indices into
     ``keys[:cached]``; requests sharing a block name the same index.
@@ -59,6 +65,7 @@ what one GPU holds even when every request names a shared prefix; the bound
 keeps what a hostile extension costs to decode under ~0.1 s and ~10 MB."""
 REQUEST_FIELDS: Final = ("blocks", "uncached_blocks", "chain")
 _FIELDS: Final = ("keys", "cached", "free")
+_OPTIONAL: Final = ("events_seq",)
 
 
 @attrs.frozen(eq=False)
@@ -74,6 +81,7 @@ class PrefixCacheState:
             holds, first to last (empty for a waiting request).
         uncached: Per request: blocks it holds after those.
         chains: Per request: key indices of its further known full blocks.
+        events_seq: The last KV event batch the state includes (``None``: not said).
     """
 
     keys: tuple[int, ...]
@@ -82,6 +90,7 @@ class PrefixCacheState:
     blocks: tuple[tuple[int, ...], ...]
     uncached: tuple[int, ...]
     chains: tuple[tuple[int, ...], ...]
+    events_seq: int | None = None
 
     def request_fields(self, i: int) -> dict[str, Any]:
         """The wire fields of request ``i`` (only those it has)."""
@@ -96,7 +105,14 @@ class PrefixCacheState:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form of ``kv.prefix_cache``."""
-        return {"keys": list(self.keys), "cached": self.cached, "free": list(self.free)}
+        d: dict[str, Any] = {
+            "keys": list(self.keys),
+            "cached": self.cached,
+            "free": list(self.free),
+        }
+        if self.events_seq is not None:
+            d["events_seq"] = self.events_seq
+        return d
 
 
 def runs(ix: Sequence[int]) -> list[list[int]]:
@@ -194,7 +210,7 @@ def prefix_cache_from_dict(
     if not isinstance(raw, Mapping):
         raise SnapshotError("kv.prefix_cache", f"must be an object (got {short_repr(raw)})", raw)
     for key in raw:
-        if key not in _FIELDS:
+        if key not in _FIELDS and key not in _OPTIONAL:
             name = key if isinstance(key, str) else short_repr(key)
             raise SnapshotError(
                 f"kv.prefix_cache.{name}", f"is not a known field (got {short_repr(raw[key])})"
@@ -210,6 +226,9 @@ def prefix_cache_from_dict(
         for j, k in enumerate(keys):  # the slow path only names the culprit
             _int(k, f"kv.prefix_cache.keys[{j}]", 0, KEY_LIMIT - 1)
     cached = _int(raw["cached"], "kv.prefix_cache.cached", 0, min(len(keys), num_blocks))
+    events_seq = None
+    if "events_seq" in raw:
+        events_seq = _int(raw["events_seq"], "kv.prefix_cache.events_seq", 0, KEY_LIMIT - 1)
     free_raw = _list(raw["free"], "kv.prefix_cache.free")
     free: list[int] = []
     in_free: set[int] = set()
@@ -313,4 +332,5 @@ def prefix_cache_from_dict(
         blocks=tuple(blocks),
         uncached=tuple(uncached),
         chains=tuple(chains),
+        events_seq=events_seq,
     )

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 
 import anyio
+import attrs
 import pytest
 
 from bearsdk.emulator import EngineConfig, EngineConfigError
@@ -37,61 +38,100 @@ def _config(**kw: object) -> EngineConfig:
     )
 
 
+@attrs.define
+class _Run:
+    """What a driven workload saw: its prompts, the lookups checked while it ran
+    (only once the index had caught up), and when the index was rebuilt."""
+
+    prompts: list[list[int]] = attrs.Factory(list)
+    lookups: int = 0
+    agree: int = 0
+    rebuilt_at: int = -1
+
+
+async def _drive(
+    eng: EngineCore, idx: PrefixIndex, sub: KVEventSubscriber, rng: random.Random, drop_at: int
+) -> _Run:
+    """300 requests over five shared system prompts (eviction pressure in a
+    400-block pool); three batches are lost on the PUB socket at ``drop_at``."""
+    feed, pool = eng._kv, eng._core.pool
+    assert feed is not None
+    assert pool is not None
+    bs = eng.policy.block_size
+    systems = [[rng.randrange(1, 100_000) for _ in range(rng.randint(100, 600))] for _ in range(5)]
+    run = _Run()
+    async with anyio.create_task_group() as tg:
+        await tg.start(sub.run)
+        await anyio.sleep(0.2)  # a SUB socket joins late (ZeroMQ's slow joiner)
+        handles = []
+        for i in range(300):
+            p = rng.choice(systems) + [
+                rng.randrange(1, 100_000) for _ in range(rng.randint(10, 200))
+            ]
+            run.prompts.append(p)
+            out = rng.randint(2, 20)
+            handles.append(
+                eng.submit_tokens(len(p), out, max_tokens=out, request_id=f"r{i}", prompt_ids=p)
+            )
+            if i == drop_at:
+                feed.publisher.drop_next = 3  # kept for replay, if anyone asks
+            await anyio.sleep(0.003)
+            if sub.rebuilt and run.rebuilt_at < 0:
+                run.rebuilt_at = i
+            if not sub.resyncing and sub.last_seq == feed.publisher.last_seq:
+                for _ in range(20):
+                    q = rng.choice(run.prompts)
+                    keys = chain_keys(q[: rng.randint(1, len(q))], bs)
+                    run.lookups += 1
+                    run.agree += idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
+        with anyio.fail_after(20):
+            for h in handles:
+                await h.result()
+        await _until(lambda: sub.last_seq == feed.publisher.last_seq and not sub.resyncing)
+        tg.cancel_scope.cancel()
+    # Caught up, the index is the engine's cache exactly; in flight it lags by
+    # at most the evictions of the step being scheduled (vLLM publishes after it).
+    for q in run.prompts:
+        keys = chain_keys(q, bs)
+        assert idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
+    assert idx.blocks == pool.num_cached
+    return run
+
+
 async def test_the_index_follows_the_engine_and_a_lost_batch_is_replayed() -> None:
-    rng = random.Random(1)
     async with EngineCore(_config()) as eng:
         ends = eng.kv_events_endpoints
         assert ends is not None
-        bs = eng.policy.block_size
-        idx = PrefixIndex(bs, 100_000)
+        idx = PrefixIndex(eng.policy.block_size, 100_000)
         sub = KVEventSubscriber(idx, ends[0], ends[1])
-        feed = eng._kv
-        assert feed is not None
-        pool = eng._core.pool
-        assert pool is not None
-        systems = [
-            [rng.randrange(1, 100_000) for _ in range(rng.randint(100, 600))] for _ in range(5)
-        ]
-        prompts: list[list[int]] = []
-        lookups = agree = 0
-        async with anyio.create_task_group() as tg:
-            await tg.start(sub.run)
-            await anyio.sleep(0.2)  # a SUB socket joins late (ZeroMQ's slow joiner)
-            handles = []
-            for i in range(300):
-                p = rng.choice(systems) + [
-                    rng.randrange(1, 100_000) for _ in range(rng.randint(10, 200))
-                ]
-                prompts.append(p)
-                out = rng.randint(2, 20)
-                handles.append(
-                    eng.submit_tokens(len(p), out, max_tokens=out, request_id=f"r{i}", prompt_ids=p)
-                )
-                if i == 150:
-                    feed.publisher.drop_next = 3  # lost on the PUB socket, kept for replay
-                await anyio.sleep(0.003)
-                if sub.last_seq == feed.publisher._seq - 1:
-                    for _ in range(20):
-                        q = rng.choice(prompts)
-                        keys = chain_keys(q[: rng.randint(1, len(q))], bs)
-                        lookups += 1
-                        agree += idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
-            with anyio.fail_after(20):
-                for h in handles:
-                    await h.result()
-            await _until(lambda: sub.last_seq == feed.publisher._seq - 1)
-            tg.cancel_scope.cancel()
-        # Caught up, the index is the engine's cache exactly; in flight it lags by
-        # at most the evictions of the step being scheduled (vLLM publishes after it).
-        for q in prompts:
-            keys = chain_keys(q, bs)
-            assert idx.hit_blocks(keys) == len(pool.lookup(keys, len(keys)))
-        assert idx.blocks == pool.num_cached
-        assert lookups > 1000
-        assert agree >= 0.99 * lookups
-        assert sub.replayed == 3
-        assert sub.resyncs == 0
-        assert sub.bad == 0
+        run = await _drive(eng, idx, sub, random.Random(1), drop_at=150)
+    assert run.lookups > 1000
+    assert run.agree >= 0.99 * run.lookups
+    assert (sub.replayed, sub.resyncs, sub.bad) == (3, 0, 0)
+
+
+async def test_a_gap_nothing_can_fill_is_rebuilt_from_the_next_snapshot() -> None:
+    # No replay socket: three lost batches are gone for good. The emulator's
+    # snapshots say which batch they include, and the index is rebuilt from the
+    # first one past the gap, then exact again.
+    from bearsdk.prefix_cache import PrefixCacheState
+    from bearsdk.snapshot import snapshot_from_dict
+
+    async with EngineCore(_config()) as eng:
+        ends = eng.kv_events_endpoints
+        assert ends is not None
+
+        def latest() -> PrefixCacheState | None:
+            return snapshot_from_dict(eng.latest_snapshot.doc).prefix_cache
+
+        idx = PrefixIndex(eng.policy.block_size, 100_000)
+        sub = KVEventSubscriber(idx, ends[0], None, snapshots=latest, resync_interval_s=0.02)
+        run = await _drive(eng, idx, sub, random.Random(2), drop_at=100)
+    assert (sub.resyncs, sub.rebuilt, sub.replayed, sub.bad) == (1, 1, 0, 0)
+    # Rebuilt within a few requests of the loss (a snapshot per step).
+    assert 100 <= run.rebuilt_at <= 120
+    assert run.lookups > 500
+    assert run.agree >= 0.99 * run.lookups
 
 
 async def test_a_restart_starts_the_sequence_and_the_index_over() -> None:

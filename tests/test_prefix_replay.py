@@ -226,6 +226,14 @@ def test_a_shared_block_state_is_accepted_by_both_decoders() -> None:
         assert s.prefix_cache is not None
         assert s.prefix_cache.blocks == ((0, 1), (0,), ())
         assert s.prefix_cache.chains == ((), (1,), (0, 1, 3))
+        assert s.prefix_cache.events_seq is None
+    doc = _apc_doc()
+    doc["kv"]["prefix_cache"]["events_seq"] = 41  # type: ignore[index]
+    for decode in decoders().values():
+        s = decode(orjson.dumps(doc))
+        assert s.prefix_cache is not None
+        assert s.prefix_cache.events_seq == 41
+        assert s.to_dict()["kv"]["prefix_cache"]["events_seq"] == 41
 
 
 BAD = [
@@ -241,6 +249,8 @@ BAD = [
     (("requests", 2, "chain"), [[0, 4], [0, 1]], "names a block twice"),
     (("requests", 1, "chain"), [[1, 3]], "more than its 40 tokens fill"),
     (("kv", "num_blocks"), 7, "kv.num_blocks: is smaller than the 9 blocks held and free"),
+    (("kv", "prefix_cache", "events_seq"), -1, "events_seq: must be an integer in [0, "),
+    (("kv", "prefix_cache", "events_seq"), "7", "events_seq: must be an integer in [0, "),
 ]
 
 

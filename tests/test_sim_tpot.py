@@ -151,3 +151,12 @@ def test_slo_headroom_takes_the_best_utility_with_headroom_else_the_least_short(
     got = sel.select(late, 0.5, tpot_target_s=0.05)
     assert got.index == 0
     assert "least short" in got.reason
+
+
+def test_a_cached_prefix_brings_no_prefill_load() -> None:
+    s = InstanceStats()
+    s.on_dispatch("a", 0.0, 1000, cached_tokens=800)
+    s.on_dispatch("b", 9.0, 1000, cached_tokens=5000)  # more than the prompt: all but one
+    # a computes tokens 801..1000, b only its last.
+    want = (1e-4 * (200 + 1) + 1e-8 * ((1000 * 1001 - 800 * 801) / 2 + 1000)) / 9.0
+    assert s.prefill_load(9.0, 1e-4, 1e-8) == pytest.approx(want)

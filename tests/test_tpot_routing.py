@@ -308,3 +308,39 @@ def test_a_fast_forwarded_view_keeps_the_block_pool_and_its_hits() -> None:
     hit = est.estimate(view, len(ids), 10, prefix_keys=keys)
     miss = est.estimate(view, len(ids), 10)
     assert hit.ttft_s < 0.5 * miss.ttft_s
+
+
+def test_expected_arrivals_lengthen_the_ttft_by_at_most_one_batch() -> None:
+    from bearsdk.bench.router import _configs
+    from bearsdk.predictors import Predictor
+    from bearsdk.router.core import RouterCore, _ttft_arrivals
+
+    def core(arrivals: bool) -> RouterCore:
+        return RouterCore(
+            _configs(2),
+            BEAR(),
+            predictor=Predictor.load_default(),
+            clock=lambda: 10.0,
+            expect_arrivals=arrivals,
+        )
+
+    plain, expecting = core(False), core(True)
+    s = expecting.slot(expecting.instances[0])
+    assert _ttft_arrivals(0.1, s, 10.0) == 0.0  # nothing sent yet
+    for c in (plain, expecting):
+        for slot in (c.slot(n) for n in c.instances):
+            for i in range(50):
+                slot.stats.on_dispatch(f"r{i}", 5.0 + i * 0.1, 2000)
+    co = s.state.estimator.replay_coeffs
+    rho = s.stats.prefill_load(10.0, co[1], co[3])
+    assert 0.0 < rho < 0.9
+    assert _ttft_arrivals(0.1, s, 10.0) == pytest.approx(0.1 * rho)
+    # However long the wait, the prompts that come fill one batch at most.
+    assert _ttft_arrivals(100.0, s, 10.0) == pytest.approx(co[1] * s.scheduler.token_budget)
+    d0, d1 = plain.decide(MSG, ttft_target=5.0), expecting.decide(MSG, ttft_target=5.0)
+    for a, b in zip(d0.candidates, d1.candidates, strict=True):
+        assert a.arrivals_s == 0.0
+        assert b.arrivals_s > 0.0
+        assert b.ttft_s == pytest.approx(a.ttft_s + b.arrivals_s)
+    assert "ms arrivals" in d1.explain()
+    assert "arrivals" not in d0.explain()

@@ -438,6 +438,11 @@ class EngineCore(Runs):
     # -- snapshots --------------------------------------------------------------------
 
     def _snapshot_doc(self, inflight: _InFlight | None, now: float) -> dict[str, Any]:
+        seq = -1
+        if self._kv is not None:
+            # Every event up to this state goes out first, so the snapshot can name
+            # the last batch it includes: a router that lost batches rebuilds from it.
+            seq = self._kv.flush(self._core)
         doc = self._core.snapshot(
             instance=self.instance,
             seq=self._seq,
@@ -445,6 +450,8 @@ class EngineCore(Runs):
             output_len=self._config.publish_output_len,
         )
         doc["epoch"] = self._epoch
+        if seq >= 0:
+            doc["kv"]["prefix_cache"]["events_seq"] = seq
         if inflight is not None and inflight.shape is not None:
             doc["inflight"] = {"remaining_s": max(0.0, inflight.end - now)}
             if self._depth == 1:

@@ -50,10 +50,15 @@ class KVEventFeed:
             finally:
                 self._live = False
 
-    def flush(self, core: SchedulerCore) -> None:
-        """Publish the events of the steps since the last flush (one batch)."""
+    def flush(self, core: SchedulerCore) -> int:
+        """Publish the events of the steps since the last flush (one batch).
+
+        Returns:
+            The sequence number of the last batch published (``-1``: none, or
+            the publisher is not running).
+        """
         if not self._live:
-            return
+            return -1
         events = core.take_kv_events()
         if events:
             from bearsdk.kvevents.wire import encode_batch, from_scheduler
@@ -61,6 +66,7 @@ class KVEventFeed:
             self.publisher.publish(
                 encode_batch(time.time(), from_scheduler(events, self.block_size))
             )
+        return self.publisher.last_seq
 
     def cleared(self) -> None:
         """The engine restarted with an empty cache: say so (vLLM's ``AllBlocksCleared``)."""

@@ -197,7 +197,12 @@ class InstanceStats:
         self._router_sat.set(now, len(self._reqs) - self._waiting, self._waiting)
 
     def on_dispatch(
-        self, request_id: str, now: float, prompt_tokens: int, output_tokens: int | None = None
+        self,
+        request_id: str,
+        now: float,
+        prompt_tokens: int,
+        output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """A request was sent to the instance.
 
@@ -206,6 +211,8 @@ class InstanceStats:
             now: Dispatch time.
             prompt_tokens: Prompt length.
             output_tokens: Predicted output length, if any.
+            cached_tokens: Of the prompt, tokens the instance holds cached (they
+                bring no prefill work).
 
         Raises:
             ValueError: A duplicate id or a bad value (named).
@@ -236,8 +243,11 @@ class InstanceStats:
         self._reqs[request_id] = req
         self._waiting += 1
         self._dispatched += 1
-        # Eq. 12's prefill terms of its prompt: tokens, and attention (chunks telescope).
-        self._load.push(now, float(prompt_tokens), prompt_tokens * (prompt_tokens + 1) / 2.0)
+        # Eq. 12's prefill terms of what it computes: tokens, and attention (chunks
+        # telescope; a cached prefix is attended to, not computed).
+        c = min(max(0, cached_tokens), prompt_tokens - 1)
+        p = prompt_tokens
+        self._load.push(now, float(p - c), (p * (p + 1) - c * (c + 1)) / 2.0)
         if self._last_arrival is not None:
             self._gaps.push(now, max(0.0, now - self._last_arrival))
         self._last_arrival = now

@@ -27,7 +27,7 @@ import math
 import statistics
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -164,6 +164,12 @@ class InstanceSlot:
 
 
 _MAX_PREFILL_SHARE: Final = 0.9
+_Row = tuple[Option, str, float, int, int, float, float, bool, int, str, float]
+"""A candidate as priced: option, estimator, snapshot age, prompt and output
+tokens, speed factor, overhead, lower bound, cached tokens and their source,
+arrivals."""
+_MAX_DISPATCH_KEYS: Final = 4096
+"""Decisions' prompt keys kept for their dispatch (oldest out first)."""
 
 
 def _cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> tuple[int, str]:
@@ -206,6 +212,23 @@ def _with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
     return tpot_s / (1.0 - rho)
 
 
+def _ttft_arrivals(ttft_s: float, s: InstanceSlot, now: float) -> float:
+    """What the prompts still to come add to a replayed TTFT.
+
+    Requests that arrive while the new one waits queue behind it, so they do
+    not delay its admission; but vLLM fills every batch's leftover token budget
+    with them, and the batch that computes the new request's last prompt
+    tokens is usually not full: their prefill rides in it and lengthens it. A
+    request whose prefix is cached has little left to compute, and that one
+    batch is most of its TTFT. If recent dispatches brought ``rho`` seconds
+    of prefill per second, about ``rho * ttft`` seconds of it arrive while it
+    waits, and at most one batch's budget of it fits in that batch.
+    """
+    c = s.state.estimator.replay_coeffs
+    rho = min(s.stats.prefill_load(now, c[1], c[3]), _MAX_PREFILL_SHARE)
+    return min(rho * ttft_s, c[1] * s.scheduler.token_budget)
+
+
 class RouterCore:
     """Chooses an instance per request and learns from the outcomes; no I/O.
 
@@ -241,6 +264,11 @@ class RouterCore:
             prefix from what the router sent there, where neither its KV events
             nor the prompt's token ids tell (approximate, by character blocks;
             :mod:`bearsdk.prompts.approx`).
+        expect_arrivals: Add to each TTFT estimate the prefill that requests
+            still to come will bring into the batch that completes the new
+            request's prompt, from the prefill load the router's recent
+            dispatches brought there (:func:`_ttft_arrivals`; off: BEA as the
+            paper defines it). Matters at high load and for cached prompts.
 
     Raises:
         ConfigError: An invalid pool, or a selector whose latency estimator is
@@ -263,6 +291,7 @@ class RouterCore:
         explore: Exploration | None = DEFAULT_EXPLORATION,
         tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
         dispatch_prefixes: bool = False,
+        expect_arrivals: bool = False,
     ) -> None:
         configs = load_pool_config(pool) if isinstance(pool, str | Path) else list(pool)
         # An empty pool is valid: instances may all come at run time (add, discovery).
@@ -291,6 +320,10 @@ class RouterCore:
         self._speed = speed
         self.prompts = PromptEncoders.build(tokenizers)
         self.dispatch_prefixes = dispatch_prefixes
+        self.expect_arrivals = expect_arrivals
+        # The prompt keys each candidate was priced with, by (request, instance):
+        # a dispatch's place in the instance's view hits its cache with them.
+        self._dispatch_keys: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._slots: dict[str, InstanceSlot] = {}
         self._lengths: dict[str, RememberedLengths] = {}
         self._models = list(self.predictor.models)
@@ -533,7 +566,10 @@ class RouterCore:
         approx = (
             text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
         )
-        cands = self._candidates(slots, pred, max_tokens, now, horizon, follow, ids, (text, approx))
+        priced: dict[str, list[int]] = {}
+        cands = self._candidates(
+            slots, pred, max_tokens, now, horizon, follow, ids, (text, approx), priced
+        )
         if want is None:
             sel = sel_.select([c[0] for c in cands], target)
         else:
@@ -574,14 +610,25 @@ class RouterCore:
                 ttft_lower_bound=bound,
                 cached_tokens=cached,
                 cache_source=source,
+                arrivals_s=arrivals,
                 tpot_s=o.tpot_s,
                 resident_itl_s=o.resident_itl_s,
                 resident_itl_base_s=o.resident_itl_base_s,
                 resident_tpot_target_s=o.resident_tpot_target_s,
             )
-            for i, (o, est, age, ptok, out, speed, overhead, bound, cached, source) in enumerate(
-                cands
-            )
+            for i, (
+                o,
+                est,
+                age,
+                ptok,
+                out,
+                speed,
+                overhead,
+                bound,
+                cached,
+                source,
+                arrivals,
+            ) in enumerate(cands)
         )
         j = chosen.model_index
         d = Decision(
@@ -599,6 +646,12 @@ class RouterCore:
             explored=index != sel.index,
             tpot_target_s=tpot_s,
         )
+        if priced:
+            keep = self._dispatch_keys
+            for name, keys in priced.items():
+                keep[(d.request_id, name)] = keys
+            while len(keep) > _MAX_DISPATCH_KEYS:
+                keep.popitem(last=False)
         for hook in self.hooks.on_decision:
             hook(d)
         return d
@@ -622,7 +675,8 @@ class RouterCore:
         next_tokens: int = 0,
         ids: PromptIds | dict[str, PromptIds] | None = None,
         approx: tuple[str, list[int] | None] = ("", None),
-    ) -> list[tuple[Option, str, float, int, int, float, float, bool, int, str]]:
+        priced: dict[str, list[int]] | None = None,
+    ) -> list[_Row]:
         lam = self.selector.lam
         kind = self.selector.latency
         weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
@@ -630,7 +684,7 @@ class RouterCore:
         # (chains of block keys computed once per model and block size).
         shared = ids if isinstance(ids, PromptIds) else None
         by_model = ids if isinstance(ids, dict) else None
-        out_rows: list[tuple[Option, str, float, int, int, float, float, bool, int, str]] = []
+        out_rows: list[_Row] = []
         # Plain lists: indexing numpy arrays element by element costs more.
         accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
         ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
@@ -668,6 +722,8 @@ class RouterCore:
                 # With the instance's KV events: its snapshot names blocks by vLLM's
                 # hashes, which the index maps the prompt's content keys to.
                 extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
+                if priced is not None:
+                    priced[s.name] = extra["prefix_keys"]
             if next_tokens and getattr(est, "tpot_aware", False):
                 ov = _overhead(s, now)
                 left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
@@ -697,13 +753,16 @@ class RouterCore:
             if next_tokens and (math.isfinite(tpot) or math.isfinite(itl)):
                 stretch = _with_arrivals(1.0, s, now)
                 tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
+            arrivals = 0.0
+            if self.expect_arrivals and math.isfinite(lat.ttft_s):
+                arrivals = _ttft_arrivals(lat.ttft_s, s, now)
             option = Option(
                 s.name,
                 s.config.model,
                 acc,
                 cost,
                 acc - lam * cost,
-                lat.ttft_s + overhead,
+                lat.ttft_s + arrivals + overhead,
                 s.inflight,
                 s.inflight,
                 tpot_s=tpot,
@@ -724,6 +783,7 @@ class RouterCore:
                     lat.lower_bound,
                     cached,
                     source,
+                    arrivals,
                 )
             )
         return out_rows
@@ -763,10 +823,15 @@ class RouterCore:
         s.inflight += 1
         if d.tpot_target_s != math.inf:
             s.tpot_targets[d.request_id] = d.tpot_target_s
-        s.state.on_dispatch(d.request_id, c.prompt_tokens, c.output_tokens, now=now)
+        keys = self._dispatch_keys.get((d.request_id, s.name), ())
+        s.state.on_dispatch(
+            d.request_id, c.prompt_tokens, c.output_tokens, now=now, prefix_keys=keys
+        )
         if s.shadow is not None:
             s.shadow.on_dispatch(d.request_id, c.prompt_tokens, output_len=c.output_tokens)
-        s.stats.on_dispatch(d.request_id, now, c.prompt_tokens, c.output_tokens)
+        s.stats.on_dispatch(
+            d.request_id, now, c.prompt_tokens, c.output_tokens, max(0, c.cached_tokens)
+        )
         for est in s.estimators.values():
             learn = getattr(est, "learn_dispatch", None)
             if learn is not None:

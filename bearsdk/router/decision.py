@@ -58,6 +58,8 @@ class Candidate:
         cache_source: Where ``cached_tokens`` comes from: ``"events"``,
             ``"snapshot"``, ``"dispatches"`` (approximate: the prompt's length
             is discounted by it in the TTFT estimate), or ``""``.
+        arrivals_s: What the prompts still to come were expected to add to the
+            TTFT (``RouterCore(expect_arrivals=True)``; included in ``ttft_s``).
     """
 
     instance: str
@@ -82,6 +84,7 @@ class Candidate:
     resident_tpot_target_s: float = math.inf
     cached_tokens: int = -1
     cache_source: str = ""
+    arrivals_s: float = 0.0
 
     @property
     def harm_s(self) -> float:
@@ -154,6 +157,8 @@ class Decision:
             extra = f" speed x{c.speed_factor:.2f}" if c.speed_factor != 1.0 else ""
             if c.overhead_s > 0.0:
                 extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
+            if c.arrivals_s > 0.0:
+                extra += f" +{c.arrivals_s * 1e3:.1f} ms arrivals"
             ge = ">=" if c.ttft_lower_bound else "  "
             tpot = "" if math.isnan(c.tpot_s) else f" tpot {c.tpot_s * 1e3:6.2f} ms"
             if c.cached_tokens >= 0:

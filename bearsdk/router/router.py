@@ -133,6 +133,9 @@ class AsyncRouter(Runs):
             prefix from what the router sent there, where neither its KV events
             nor the prompt's token ids tell (approximate, by character blocks;
             :mod:`bearsdk.prompts.approx`).
+        expect_arrivals: Add to each TTFT estimate the prefill that requests
+            still to come will bring into the batch that completes the new
+            request's prompt (:class:`~bearsdk.router.core.RouterCore`).
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class AsyncRouter(Runs):
         explore: Exploration | None = DEFAULT_EXPLORATION,
         tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
         dispatch_prefixes: bool = False,
+        expect_arrivals: bool = False,
         policy: Selector | None = _UNSET,
     ) -> None:
         if policy is not _UNSET:
@@ -202,6 +206,7 @@ class AsyncRouter(Runs):
             explore=explore,
             tokenizers=tokenizers,
             dispatch_prefixes=dispatch_prefixes,
+            expect_arrivals=expect_arrivals,
         )
         self._dispatch = Dispatcher(
             self.core,

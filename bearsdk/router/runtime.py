@@ -26,6 +26,7 @@ from bearsdk.router.sources import SourceContext, get_snapshot_source
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
     from bearsdk.io.base import SnapshotSource, SourceStats
+    from bearsdk.prefix_cache import PrefixCacheState
 
 __all__ = ["InstanceRuntime"]
 
@@ -117,7 +118,14 @@ class InstanceRuntime:
         # Bounded by the pool (twice it: a block is stored again only after removal).
         index = PrefixIndex(pol.block_size, max(2 * pol.num_blocks, 1 << 20))
         slot.kv_index = index
-        sub = KVEventSubscriber(index, slot.config.kv_events or "", slot.config.kv_events_replay)
+
+        def latest() -> PrefixCacheState | None:
+            entry = slot.cache.entry
+            return None if entry is None else entry.snapshot.prefix_cache
+
+        sub = KVEventSubscriber(
+            index, slot.config.kv_events or "", slot.config.kv_events_replay, snapshots=latest
+        )
         await sub.run(task_status=task_status)
 
     async def _follow_batches(self, slot: InstanceSlot, online: OnlineBatchTime) -> None:

@@ -239,7 +239,14 @@ class SimEngine:
 
     # -- requests -------------------------------------------------------------
 
-    def add_request(self, rid: str, prompt_tokens: int, output_len: int, now: float) -> int:
+    def add_request(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        output_len: int,
+        now: float,
+        token_ids: Sequence[int] | None = None,
+    ) -> int:
         """A request arrives at ``now`` (after :meth:`advance` up to ``now``).
 
         Args:
@@ -247,12 +254,16 @@ class SimEngine:
             prompt_tokens: Prompt length (``< max_model_len``).
             output_len: Its true output length.
             now: Arrival time.
+            token_ids: Its prompt's token ids and then its output's, as far as
+                known (a prefix-caching engine caches and hits blocks by them).
 
         Returns:
             The output length it will produce (clamped to the context left).
         """
         out = max(1, min(output_len, self.max_model_len - prompt_tokens))
-        self._core.add_request(rid, prompt_tokens, out)
+        if token_ids is not None:
+            token_ids = token_ids[: prompt_tokens + out]
+        self._core.add_request(rid, prompt_tokens, out, None, token_ids)
         self._new += 1
         if self._idle:
             self._idle = False
@@ -511,8 +522,19 @@ class SimEngine:
         """The latest snapshot the engine published (taken after its last step)."""
         if self._published is not None:
             return self._published
-        ids, rows = self._rows(False)
         core = self._core
+        if core.pool is not None:
+            # The block pool too (kv.prefix_cache): the document the emulator publishes.
+            from bearsdk.snapshot import snapshot_from_dict
+
+            t = self._last_start
+            doc = core.snapshot(instance=self.name, seq=self._seq, time=t)
+            doc["epoch"] = _EPOCH
+            if self._inflight_end > t:
+                doc["inflight"] = {"remaining_s": self._inflight_end - t}
+            self._published = snapshot_from_dict(doc)
+            return self._published
+        ids, rows = self._rows(False)
         kv = None
         if not core.unlimited:
             kv = KVState(self.policy.block_size, self.policy.num_blocks, core.free)

@@ -484,11 +484,11 @@ def _offer_due(cache: SnapshotCache, pending: list[tuple[float, Snapshot]], now:
         cache.offer(snap, received=received)
 
 
-def _router_params(spec: InstanceSpec, eng_policy: Policy) -> dict[str, Any]:
+def router_params(scheduler: str, eng_policy: Policy) -> dict[str, Any]:
     """The engine's effective flags, as the router's pool configuration states them."""
     from bearsdk.schedulers import get_scheduler
 
-    names = set(get_scheduler(spec.scheduler).params)
+    names = set(get_scheduler(scheduler).params)
     return {k: v for k, v in eng_policy.params if k in names}
 
 
@@ -556,7 +556,7 @@ def run_scenario(
         return push
 
     engines: list[SimEngine] = []
-    router_params: list[dict[str, Any]] = []
+    engine_flags: list[dict[str, Any]] = []
     true_scales: dict[str, float] = {}
     for j, spec in enumerate(instances):
         em = bind_engine(spec.engine, spec.scheduler, dict(spec.params))
@@ -581,7 +581,7 @@ def run_scenario(
                 speed_changes=spec.speed_changes,
             )
         )
-        router_params.append(_router_params(spec, em.policy))
+        engine_flags.append(router_params(spec.scheduler, em.policy))
 
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)  # when each request's last token came
@@ -614,7 +614,7 @@ def run_scenario(
     # Snapshots for the rechecks after the last arrival, planned with the others.
     tail = adm.tail(times, requests.targets_s) if adm is not None else []
     if not oracle:
-        configs = [_instance_config(s, router_params[j]) for j, s in enumerate(instances)]
+        configs = [_instance_config(s, engine_flags[j]) for j, s in enumerate(instances)]
         router = RouterCore(
             configs,
             _selector(scenario),

@@ -213,6 +213,7 @@ class InstanceState:
         max_tokens: int | None = None,
         *,
         now: float | None = None,
+        prefix_keys: Sequence[int] = (),
     ) -> None:
         """The router sent request ``rid`` to this instance.
 
@@ -222,16 +223,19 @@ class InstanceState:
             output_len: Predicted output length (``None``: the estimator predicts).
             max_tokens: The request's output cap.
             now: Dispatch time (default: the cache clock).
+            prefix_keys: Its prompt's full-block keys, as the instance's
+                snapshots name blocks (a view that adds it lets it hit them).
         """
         t = self.cache.clock() if now is None else now
         lengths = self.estimator.length_predictor
+        keys = tuple(prefix_keys)
         if isinstance(lengths, RememberedLengths) and output_len is not None and output_len > 0:
             replayed = lengths.calibrated(output_len)
-            self._overlay.add(Dispatch(rid, t, prompt_tokens, replayed, max_tokens))
+            self._overlay.add(Dispatch(rid, t, prompt_tokens, replayed, max_tokens, 0, keys))
             # Once a snapshot shows the request, its own prediction still applies.
             lengths.remember(rid, output_len)
         else:
-            self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens))
+            self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens, 0, keys))
 
     def on_tokens(self, rid: str, output_tokens: int) -> None:
         """The router has received ``output_tokens`` tokens of ``rid`` so far (1: first token).

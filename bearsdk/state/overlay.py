@@ -49,6 +49,9 @@ class Dispatch:
         prompt_tokens: Prompt length.
         output_len: Known or predicted output length (``None``: the estimator predicts).
         max_tokens: The request's output cap, if any.
+        prefix_keys: Its prompt's full-block keys as the instance's snapshots
+            name blocks (with a prefix-caching engine): a view that adds it
+            lets it hit what is cached, as the engine will.
     """
 
     rid: str
@@ -57,6 +60,7 @@ class Dispatch:
     output_len: int | None = None
     max_tokens: int | None = None
     outputs: int = 0
+    prefix_keys: tuple[int, ...] = ()
 
     @property
     def started(self) -> bool:
@@ -220,6 +224,7 @@ class DispatchOverlay:
         run_rows: list[list[int]] = []
         wait_ids: list[str] = []
         wait_rows: list[list[int]] = []
+        waiting: list[Dispatch] = []
         for d in dispatches:
             if d.rid in taken:
                 continue
@@ -231,6 +236,7 @@ class DispatchOverlay:
             else:
                 wait_ids.append(d.rid)
                 wait_rows.append(d.row())
+                waiting.append(d)
         table = snapshot.table
         n_run = snapshot.num_running
         parts = [table[:n_run]]
@@ -245,6 +251,34 @@ class DispatchOverlay:
             held = sum(-(-row[2] // kv.block_size) for row in run_rows)
             kv = KVState(kv.block_size, kv.num_blocks, max(0, kv.free_blocks - held))
         merged: npt.NDArray[np.int64] = np.concatenate(parts)
+        pc = snapshot.prefix_cache
+        if pc is not None and not run_rows:
+            # Waiting dispatches hold no blocks: the block pool stands as it is,
+            # and each hits what of its chain is cached at its admission.
+            keys = list(pc.keys)
+            index = {k: i for i, k in enumerate(keys)}
+            chains = []
+            for d in waiting:
+                chain = []
+                for k in d.prefix_keys:
+                    i = index.get(k)
+                    if i is None:
+                        i = index[k] = len(keys)
+                        keys.append(k)
+                    chain.append(i)
+                chains.append(tuple(chain))
+            extra = len(wait_rows)
+            pc = attrs.evolve(
+                pc,
+                keys=tuple(keys),
+                blocks=pc.blocks + ((),) * extra,
+                uncached=pc.uncached + (0,) * extra,
+                chains=pc.chains + tuple(chains),
+            )
+        else:
+            # A started dispatch holds blocks the pool does not show: blocks
+            # counted, as without the cache.
+            pc = None
         return Snapshot(
             instance=snapshot.instance,
             seq=snapshot.seq,
@@ -254,4 +288,5 @@ class DispatchOverlay:
             table=merged,
             inflight_remaining_s=snapshot.inflight_remaining_s,
             epoch=snapshot.epoch,
+            prefix_cache=pc,
         )
