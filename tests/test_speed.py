@@ -16,7 +16,8 @@ from bearsdk.emulator.timing import GroundTruthTimeModel
 from bearsdk.estimators.batch_model import BatchTimeModel
 from bearsdk.estimators.profiles import load_profile
 from bearsdk.router import Decision, InstanceConfig
-from bearsdk.router.core import OVERHEAD_MAX_S, OVERHEAD_MEMORY_S, RouterCore
+from bearsdk.router.core import RouterCore
+from bearsdk.router.slot import OVERHEAD_MAX_S, OVERHEAD_MEMORY_S
 from bearsdk.sim.engine import BatchNoise, SimEngine, bind_engine
 from bearsdk.snapshot import NCOLS, Snapshot
 from bearsdk.state.speed import SpeedInterval, SpeedTracker, interval_evidence

@@ -109,7 +109,8 @@ async def test_a_tpot_target_has_bea_follow_the_first_tokens_at_every_instance()
 def test_recent_prefill_load_stretches_the_predicted_tpot() -> None:
     from bearsdk.bench.router import _configs
     from bearsdk.predictors import Predictor
-    from bearsdk.router.core import RouterCore, _with_arrivals
+    from bearsdk.router.core import RouterCore
+    from bearsdk.router.pricing import tpot_with_arrivals as _with_arrivals
 
     core = RouterCore(_configs(2), BEAR(), predictor=Predictor.load_default(), clock=lambda: 10.0)
     s = core.slot(core.instances[0])
@@ -313,7 +314,8 @@ def test_a_fast_forwarded_view_keeps_the_block_pool_and_its_hits() -> None:
 def test_expected_arrivals_lengthen_the_ttft_by_at_most_one_batch() -> None:
     from bearsdk.bench.router import _configs
     from bearsdk.predictors import Predictor
-    from bearsdk.router.core import RouterCore, _ttft_arrivals
+    from bearsdk.router.core import RouterCore
+    from bearsdk.router.pricing import ttft_arrivals as _ttft_arrivals
 
     def core(arrivals: bool) -> RouterCore:
         return RouterCore(

@@ -27,7 +27,7 @@ import math
 import statistics
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -50,9 +50,8 @@ from bearsdk.estimators.registry import (
 )
 from bearsdk.estimators.stats import InstanceStats
 from bearsdk.kvevents.index import text_chain
-from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.predictors.protocol import PoolPredictor
-from bearsdk.prompts.approx import BLOCK_CHARS, DispatchIndex
+from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
@@ -68,25 +67,29 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
+from bearsdk.router.pricing import price
 from bearsdk.router.prompts import PromptEncoders
+from bearsdk.router.slot import (
+    OVERHEAD_MAX_S,
+    OVERHEAD_MEMORY_S,
+    InstanceSlot,
+    dispatch_index,
+    first_token_overhead,
+)
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import bind_scheduler
-from bearsdk.schedulers.spec import BoundScheduler
-from bearsdk.selectors import BEAR, Option, Selector
-from bearsdk.snapshot import Snapshot
+from bearsdk.selectors import BEAR, Selector
 from bearsdk.state import CachedSnapshot, InstanceState, ShadowView, SnapshotCache, StalenessRules
 from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 
 if TYPE_CHECKING:
-    from bearsdk.kvevents.index import PrefixIndex
     from bearsdk.prompts.tokenizer import ChatTokenizer
 
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
-_MICRO = 1e6  # cost unit: micro-dollars (price per million tokens x tokens)
-# The shortest horizon a replay is asked for: past it, the first batch is a lower bound.
-_MIN_HORIZON_S = 1e-9
+_MAX_DISPATCH_KEYS: Final = 4096
+"""Decisions' prompt keys kept for their dispatch (oldest out first)."""
 
 DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0), min_factor=1.0)
 """The speed tracker's settings each instance copies by default (its base is the instance's).
@@ -105,128 +108,6 @@ SPEED_MIN_INTERVAL_S: Final = 0.05
 
 DEFAULT_EXPLORATION: Final = Exploration()
 """Exploration by default: 1% of decisions, instances without speed evidence for 30 s."""
-
-OVERHEAD_MAX_S: Final = 0.25
-"""Largest first-token overhead the router learns (seconds)."""
-
-OVERHEAD_MEMORY_S: Final = 60.0
-"""Time constant over which an unobserved overhead fades to 0 (seconds).
-
-An overhead learned from a few unlucky first tokens makes every prediction for
-that instance miss, the router stops choosing it, and no first token would ever
-correct it (issue 17's lock-out): so what is not confirmed fades, and after this
-long without a first token the residuals start over."""
-
-
-@attrs.define
-class InstanceSlot:
-    """Everything the router keeps for one instance of its pool."""
-
-    config: InstanceConfig
-    model_index: int
-    batch_time: BatchTimeModel
-    scheduler: BoundScheduler
-    cache: SnapshotCache
-    state: InstanceState
-    stats: InstanceStats
-    breaker: CircuitBreaker
-    shadow: ShadowView | None = None
-    draining: bool = False
-    inflight: int = 0
-    ttft_abs_err_sum: float = 0.0
-    ttft_rel_err_sum: float = 0.0
-    ttft_err_n: int = 0
-    # What the replay cannot see: the HTTP round trip to the engine, its request
-    # handling and token delivery. Learned from observed minus predicted TTFT.
-    overhead_s: float = 0.0
-    residuals: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
-    # The first tokens the residuals came from: no fixed overhead exceeds the
-    # fastest of them.
-    observed_ttfts: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
-    overhead_at: float = -math.inf
-    # One per estimator name a selector asked for, built on first use.
-    estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
-    # Its cached blocks from its KV events (InstanceConfig.kv_events; the runtime feeds it).
-    kv_index: PrefixIndex | None = None
-    # What the router sent here, by character blocks (RouterCore(dispatch_prefixes=True)).
-    dispatches: DispatchIndex | None = None
-    # The TPOT targets of the requests sent here and not finished (by request id):
-    # the residents an admission must not push past theirs (issue 21).
-    tpot_targets: dict[str, float] = attrs.Factory(dict)
-    # The instance's real speed against its base coefficients, from its snapshots.
-    speed: SpeedTracker | None = None
-    speed_anchor: Snapshot | None = None
-
-    @property
-    def name(self) -> str:
-        """The instance's name."""
-        return self.config.name
-
-
-_MAX_PREFILL_SHARE: Final = 0.9
-_Row = tuple[Option, str, float, int, int, float, float, bool, int, str, float]
-"""A candidate as priced: option, estimator, snapshot age, prompt and output
-tokens, speed factor, overhead, lower bound, cached tokens and their source,
-arrivals."""
-_MAX_DISPATCH_KEYS: Final = 4096
-"""Decisions' prompt keys kept for their dispatch (oldest out first)."""
-
-
-def _cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> tuple[int, str]:
-    """The prompt tokens ``s`` last said it held and how it said it (its KV events,
-    else its snapshot's block pool; ``-1``: unknown)."""
-    if s.kv_index is not None:
-        return s.kv_index.hit_blocks(keys) * bs, "events"
-    entry = s.cache.entry
-    if entry is None or entry.prepared is None or entry.snapshot.prefix_cache is None:
-        return -1, ""
-    return entry.prepared.cached_blocks(keys) * bs, "snapshot"
-
-
-def _dispatch_index(sched: BoundScheduler) -> DispatchIndex:
-    """An LRU model of the instance's cache: its KV capacity in character blocks
-    (about four characters a token; an unlimited pool: a million blocks)."""
-    tokens = sched.num_blocks * sched.block_size if sched.num_blocks > 0 else 1 << 24
-    return DispatchIndex(max(1, tokens * 4 // BLOCK_CHARS))
-
-
-def _block_size(s: InstanceSlot) -> int:
-    """The block size the instance's snapshots count in (else its scheduler's)."""
-    entry = s.cache.entry
-    kv = None if entry is None else entry.snapshot.kv
-    return s.scheduler.block_size if kv is None else kv.block_size
-
-
-def _with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
-    """The replay's TPOT, with the prefills still to come folded in.
-
-    The replay knows the requests in the snapshot; while a request streams its
-    answer others arrive, and with chunked prefill their prompts ride in the
-    very batches it decodes in. If recent dispatches brought ``rho`` seconds
-    of prefill per second, each second of its decoding stretches to
-    ``1 / (1 - rho)``. The share is capped: an instance already saturated
-    with prefill is not made infinitely slow, only much slower.
-    """
-    c = s.state.estimator.replay_coeffs
-    rho = min(s.stats.prefill_load(now, c[1], c[3]), _MAX_PREFILL_SHARE)
-    return tpot_s / (1.0 - rho)
-
-
-def _ttft_arrivals(ttft_s: float, s: InstanceSlot, now: float) -> float:
-    """What the prompts still to come add to a replayed TTFT.
-
-    Requests that arrive while the new one waits queue behind it, so they do
-    not delay its admission; but vLLM fills every batch's leftover token budget
-    with them, and the batch that computes the new request's last prompt
-    tokens is usually not full: their prefill rides in it and lengthens it. A
-    request whose prefix is cached has little left to compute, and that one
-    batch is most of its TTFT. If recent dispatches brought ``rho`` seconds
-    of prefill per second, about ``rho * ttft`` seconds of it arrive while it
-    waits, and at most one batch's budget of it fits in that batch.
-    """
-    c = s.state.estimator.replay_coeffs
-    rho = min(s.stats.prefill_load(now, c[1], c[3]), _MAX_PREFILL_SHARE)
-    return min(rho * ttft_s, c[1] * s.scheduler.token_budget)
 
 
 class RouterCore:
@@ -267,7 +148,7 @@ class RouterCore:
         expect_arrivals: Add to each TTFT estimate the prefill that requests
             still to come will bring into the batch that completes the new
             request's prompt, from the prefill load the router's recent
-            dispatches brought there (:func:`_ttft_arrivals`; off: BEA as the
+            dispatches brought there (:func:`~bearsdk.router.pricing.ttft_arrivals`; off: BEA as the
             paper defines it). Matters at high load and for cached prompts.
 
     Raises:
@@ -384,7 +265,7 @@ class RouterCore:
             slot.speed = attrs.evolve(self._speed, base=bt)
             cache.on_accept = functools.partial(self._snapshot_accepted, slot)
         if self.dispatch_prefixes and sched.prefix_caching:
-            slot.dispatches = _dispatch_index(sched)
+            slot.dispatches = dispatch_index(sched)
         self._slots[cfg.name] = slot
         return slot
 
@@ -567,8 +448,8 @@ class RouterCore:
             text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
         )
         priced: dict[str, list[int]] = {}
-        cands = self._candidates(
-            slots, pred, max_tokens, now, horizon, follow, ids, (text, approx), priced
+        cands = price(
+            self, slots, pred, max_tokens, now, horizon, follow, ids, (text, approx), priced
         )
         if want is None:
             sel = sel_.select([c[0] for c in cands], target)
@@ -665,130 +546,8 @@ class RouterCore:
         # A selector's bad horizon must not cut estimates it needs: none below the target.
         return h if h >= target else math.inf
 
-    def _candidates(
-        self,
-        slots: list[InstanceSlot],
-        pred: PoolPrediction,
-        max_tokens: int | None,
-        now: float,
-        horizon: float = math.inf,
-        next_tokens: int = 0,
-        ids: PromptIds | dict[str, PromptIds] | None = None,
-        approx: tuple[str, list[int] | None] = ("", None),
-        priced: dict[str, list[int]] | None = None,
-    ) -> list[_Row]:
-        lam = self.selector.lam
-        kind = self.selector.latency
-        weigh = getattr(self.selector, "weighs_residents", None) if next_tokens else None
-        # The prompt's ids: the caller's for every instance, or each model's own
-        # (chains of block keys computed once per model and block size).
-        shared = ids if isinstance(ids, PromptIds) else None
-        by_model = ids if isinstance(ids, dict) else None
-        out_rows: list[_Row] = []
-        # Plain lists: indexing numpy arrays element by element costs more.
-        accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
-        ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
-        for s in slots:
-            j = s.model_index
-            acc = accs[j]
-            out = int(outs[j])
-            if max_tokens is not None:
-                out = min(out, max_tokens)
-            p = shared if by_model is None else by_model.get(s.config.model)
-            # The engines' own count when the prompt's ids are known.
-            ptok = len(p) if p else max(1, int(ptoks[j]))
-            cost = costs[j] * _MICRO
-            est = s.estimators.get(kind)
-            if est is None:
-                est = self._estimator(s, kind)
-            # (Only a selector that weighs residents needs them: min() is O(requests there).)
-            tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
-            extra: dict[str, Any] = {}
-            cached, source = -1, ""
-            keys: list[int] = []
-            if p is not None:
-                bs = _block_size(s)
-                keys = p.chain(bs)
-                cached, source = _cached_tokens(s, keys, bs)
-            eptok = ptok
-            if cached < 0 and s.dispatches is not None and approx[1] is not None:
-                # Characters to tokens at this prompt's own ratio; the engine always
-                # computes the last token. The replay prices the rest of the prompt.
-                hit = s.dispatches.hit_blocks(approx[1]) * BLOCK_CHARS
-                cached = min(ptok - 1, hit * ptok // max(1, len(approx[0])))
-                source = "dispatches"
-                eptok = ptok - cached
-            if p is not None and getattr(est, "prefix_aware", False):
-                # With the instance's KV events: its snapshot names blocks by vLLM's
-                # hashes, which the index maps the prompt's content keys to.
-                extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
-                if priced is not None:
-                    priced[s.name] = extra["prefix_keys"]
-            if next_tokens and getattr(est, "tpot_aware", False):
-                ov = _overhead(s, now)
-                left = max(horizon - ov, _MIN_HORIZON_S) if horizon != math.inf else math.inf
-                lat = est.estimate(  # type: ignore[call-arg]
-                    eptok,
-                    out,
-                    max_tokens,
-                    now,
-                    left,
-                    next_tokens=next_tokens,
-                    residents=weigh is not None and bool(weigh(tight)),
-                    **extra,
-                )
-                overhead = ov if lat.replayed else 0.0
-            elif horizon != math.inf and getattr(est, "horizon_aware", False):
-                ov = _overhead(s, now)
-                # A target already eaten by the overhead (a tiny one, or a held request's
-                # near its deadline) still gets an estimate: the first batch, a lower bound.
-                left = max(horizon - ov, _MIN_HORIZON_S)
-                lat = est.estimate(eptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
-                overhead = ov if lat.replayed else 0.0
-            else:
-                lat = est.estimate(eptok, out, max_tokens, now, **extra)
-                overhead = _overhead(s, now) if lat.replayed else 0.0
-            tpot = lat.tpot_s
-            itl, itl_base = lat.resident_itl_s, lat.resident_itl_base_s
-            if next_tokens and (math.isfinite(tpot) or math.isfinite(itl)):
-                stretch = _with_arrivals(1.0, s, now)
-                tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
-            arrivals = 0.0
-            if self.expect_arrivals and math.isfinite(lat.ttft_s):
-                arrivals = _ttft_arrivals(lat.ttft_s, s, now)
-            option = Option(
-                s.name,
-                s.config.model,
-                acc,
-                cost,
-                acc - lam * cost,
-                lat.ttft_s + arrivals + overhead,
-                s.inflight,
-                s.inflight,
-                tpot_s=tpot,
-                resident_itl_s=itl,
-                resident_itl_base_s=itl_base,
-                resident_tpot_target_s=tight,
-            )
-            speed = 1.0 if s.speed is None else s.speed.factor
-            out_rows.append(
-                (
-                    option,
-                    lat.estimator,
-                    lat.age_s,
-                    ptok,
-                    out,
-                    speed,
-                    overhead,
-                    lat.lower_bound,
-                    cached,
-                    source,
-                    arrivals,
-                )
-            )
-        return out_rows
-
-    def _estimator(self, s: InstanceSlot, kind: str) -> InstanceEstimator:
+    def estimator_for(self, s: InstanceSlot, kind: str) -> InstanceEstimator:
+        """``s``'s estimator of kind ``kind``, built on first use."""
         ctx = EstimatorContext(
             name=s.name,
             model=s.config.model,
@@ -971,7 +730,7 @@ class RouterCore:
         those first tokens nor :data:`OVERHEAD_MAX_S`, fading over
         :data:`OVERHEAD_MEMORY_S` while no first token confirms it.
         """
-        return _overhead(self.slot(name), self.clock())
+        return first_token_overhead(self.slot(name), self.clock())
 
     def ttft_error(self, name: str) -> tuple[float, float, int]:
         """``(MAE seconds, MAPE, n)`` of the router's TTFT predictions at ``name`` so far."""
@@ -980,11 +739,3 @@ class RouterCore:
         if n == 0:
             return (math.nan, math.nan, 0)
         return (s.ttft_abs_err_sum / n, s.ttft_rel_err_sum / n, n)
-
-
-def _overhead(s: InstanceSlot, now: float) -> float:
-    o = s.overhead_s
-    if o <= 0.0:
-        return 0.0
-    idle = now - s.overhead_at
-    return o if idle <= 0.0 else o * math.exp(-idle / OVERHEAD_MEMORY_S)

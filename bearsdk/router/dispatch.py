@@ -20,7 +20,7 @@ import attrs
 import orjson
 
 from bearsdk.errors import BearError
-from bearsdk.router.core import InstanceSlot, RouterCore
+from bearsdk.router.core import RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.router.errors import (
     DispatchError,
@@ -31,6 +31,7 @@ from bearsdk.router.errors import (
     prompt_text,
     short,
 )
+from bearsdk.router.slot import InstanceSlot
 from bearsdk.router.stream import ChatResponse, ChatStream, exc_text
 
 __all__ = ["Dispatcher"]

@@ -38,7 +38,7 @@ from bearsdk._lifecycle import Runs
 from bearsdk.predictors.protocol import PoolPredictor
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, load_pool_config
-from bearsdk.router.core import DEFAULT_EXPLORATION, DEFAULT_SPEED, InstanceSlot, RouterCore
+from bearsdk.router.core import DEFAULT_EXPLORATION, DEFAULT_SPEED, RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.router.dispatch import Dispatcher
 from bearsdk.router.errors import (
@@ -51,6 +51,7 @@ from bearsdk.router.errors import (
 from bearsdk.router.explore import Exploration
 from bearsdk.router.hooks import RouterHooks
 from bearsdk.router.runtime import InstanceRuntime
+from bearsdk.router.slot import InstanceSlot
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.stream import ChatResponse, ChatStream
 from bearsdk.router.targets import TargetRule

@@ -20,7 +20,8 @@ import anyio.abc
 import attrs
 
 from bearsdk.estimators.batch_time import BatchDataError, OnlineBatchTime, read_batches
-from bearsdk.router.core import InstanceSlot, RouterCore
+from bearsdk.router.core import RouterCore
+from bearsdk.router.slot import InstanceSlot
 from bearsdk.router.sources import SourceContext, get_snapshot_source
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from bearsdk.router.decision import Decision
 from bearsdk.router.errors import DispatchError, short
 
 if TYPE_CHECKING:
-    from bearsdk.router.core import InstanceSlot
     from bearsdk.router.dispatch import Dispatcher
+    from bearsdk.router.slot import InstanceSlot
 
 __all__ = ["ChatResponse", "ChatStream", "exc_text"]
 
