@@ -163,3 +163,17 @@ def test_the_bench_names_missing_trace_data(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "github.com/kvcache-ai/Mooncake" in err[0]
+
+
+def test_session_affinity_keeps_a_session_on_one_instance_and_spreads_sessions() -> None:
+    from bearsdk.sim.prefix import _ring_pick
+
+    names = ["a", "b", "c"]
+    picks = [_ring_pick(k, names) for k in range(3000)]
+    assert picks == [_ring_pick(k, names) for k in range(3000)]
+    shares = [picks.count(j) / len(picks) for j in range(3)]
+    assert min(shares) > 0.2
+    # A fourth instance takes sessions from the others and moves no other session.
+    more = [_ring_pick(k, [*names, "d"]) for k in range(3000)]
+    assert all(m in (p, 3) for p, m in zip(picks, more, strict=True))
+    assert more.count(3) > 300

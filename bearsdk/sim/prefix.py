@@ -37,6 +37,7 @@ target (eq. 6).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import math
@@ -164,16 +165,21 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, _VOCAB) for _ in range(n)]
 
 
-def _ring_pick(session: int, names: Sequence[str]) -> int:
-    # Consistent hashing: 64 points per instance on a ring of 64-bit hashes.
+@functools.cache
+def _ring(names: tuple[str, ...]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Consistent hashing: 64 points per instance on a ring of 64-bit hashes."""
     ring = sorted(
         (int.from_bytes(hashlib.blake2b(f"{n}#{v}".encode(), digest_size=8).digest(), "big"), j)
         for j, n in enumerate(names)
         for v in range(64)
     )
+    return ring, [h for h, _ in ring]
+
+
+def _ring_pick(session: int, names: Sequence[str]) -> int:
+    ring, points = _ring(tuple(names))
     h = int.from_bytes(hashlib.blake2b(str(session).encode(), digest_size=8).digest(), "big")
-    k = bisect.bisect_left(ring, (h, -1))
-    return ring[k % len(ring)][1]
+    return ring[bisect.bisect_left(points, h) % len(ring)][1]
 
 
 def run_prefix(
