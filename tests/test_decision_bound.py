@@ -232,3 +232,24 @@ def test_a_new_request_admitted_whole_overtakes_a_chunked_prompt_admitted_before
         res = est.estimate(prep, 16, 1)
         assert res.first_token_batch == 2
         assert 0.0 <= est.bound(prep, 16) <= res.ttft_s
+
+
+def test_with_nothing_on_time_the_fallback_looks_past_the_horizon() -> None:
+    # Every estimate stops at the horizon (4 x 0.2 s): lower bounds say nothing
+    # about which instance is least late, so the router prices again further out
+    # (8 x the horizon) and compares what it finds there exactly.
+    clock = [100.0]
+    cut = _deep_router(4.0, clock)
+    exact = _deep_router(math.inf, clock)
+    d = cut.decide("hi", ttft_target=0.2, exclude=frozenset({"short"}))
+    e = exact.decide("hi", ttft_target=0.2, exclude=frozenset({"short"}))
+    assert d.instance == e.instance == "deep"
+    by = {c.instance: c for c in d.candidates}
+    ex = {c.instance: c for c in e.candidates}
+    assert 0.8 < ex["deep"].ttft_s <= 6.4 < ex["deeper"].ttft_s
+    assert not by["deep"].ttft_lower_bound
+    assert by["deep"].ttft_s == pytest.approx(ex["deep"].ttft_s)
+    assert by["deeper"].ttft_lower_bound
+    assert 6.4 < by["deeper"].ttft_s <= ex["deeper"].ttft_s
+    # An instance on time needs no second look: its estimate is exact already.
+    assert not cut.decide("hi", ttft_target=0.2).chosen.ttft_lower_bound

@@ -67,7 +67,7 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
-from bearsdk.router.pricing import price
+from bearsdk.router.pricing import Row, price
 from bearsdk.router.prompts import PromptEncoders
 from bearsdk.router.slot import (
     OVERHEAD_MAX_S,
@@ -79,7 +79,7 @@ from bearsdk.router.slot import (
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import bind_scheduler
-from bearsdk.selectors import BEAR, Selector
+from bearsdk.selectors import BEAR, Selection, Selector
 from bearsdk.state import CachedSnapshot, InstanceState, ShadowView, SnapshotCache, StalenessRules
 from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 
@@ -89,6 +89,9 @@ if TYPE_CHECKING:
 __all__ = ["InstanceSlot", "RouterCore", "RouterHooks"]
 
 _MAX_DISPATCH_KEYS: Final = 4096
+_FALLBACK_REACH: Final = 8.0
+"""When no instance is on time and every estimate is a lower bound, the decision
+is priced again this many times further past the target."""
 """Decisions' prompt keys kept for their dispatch (oldest out first)."""
 
 DEFAULT_SPEED: Final = SpeedTracker(BatchTimeModel(0.0, 0.0, 0.0, 0.0), min_factor=1.0)
@@ -448,15 +451,26 @@ class RouterCore:
             text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
         )
         priced: dict[str, list[int]] = {}
-        cands = price(
-            self, slots, pred, max_tokens, now, horizon, follow, ids, (text, approx), priced
-        )
-        if want is None:
-            sel = sel_.select([c[0] for c in cands], target)
-        else:
+
+        def choose(h: float) -> tuple[list[Row], Selection]:
+            rows = price(self, slots, pred, max_tokens, now, h, follow, ids, (text, approx), priced)
+            if want is None:
+                return rows, sel_.select([c[0] for c in rows], target)
             # (The protocol's optional TPOT form; see Selector.)
             tpot_aware: Any = sel_
-            sel = tpot_aware.select([c[0] for c in cands], target, tpot_target_s=tpot_s)
+            return rows, tpot_aware.select([c[0] for c in rows], target, tpot_target_s=tpot_s)
+
+        cands, sel = choose(horizon)
+        if (
+            horizon != math.inf
+            and sel.feasible is not None
+            and not any(sel.feasible)
+            and cands[sel.index][7]
+        ):
+            # Nothing is on time and every estimate stopped at the horizon: the
+            # fallback compared lower bounds, which say nothing about which instance
+            # is least late. Look further (in overload only, so bounded cost).
+            cands, sel = choose(horizon * _FALLBACK_REACH)
         index, reason = sel.index, sel.reason
         if self._explorer is not None and self._explorer.draw():
             got = self._explorer.pick(

@@ -228,7 +228,8 @@ class BEAR(TieBreaking):
     an estimate need not be exact past ``horizon_factor`` times the target: the
     router lets the replay stop there (:meth:`horizon`), which bounds the cost
     of a decision by the target rather than by the queue ahead
-    (``docs/decision-cost.md``).
+    (``docs/decision-cost.md``). When every estimate stopped there, the router
+    prices the request again further out before the lowest TTFT is taken.
 
     A request with a TPOT target too is feasible where both are predicted to
     be met and the harm rule holds for the instance's residents: BEA follows
