@@ -35,8 +35,9 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Params, arrival_arg, cdiv,
-    horizon_arg, imax, imin, output_limit, output_target, read_policy, tokens_arg, tokens_wanted,
+    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
+    horizon_arg, imax, imin, output_limit, output_target, read_coeffs, read_policy, tokens_arg,
+    tokens_wanted,
 )
 
 cdef extern from "Python.h":
@@ -213,6 +214,7 @@ ctypedef struct St:
     double b2
     double b3
     double tau
+    double b2s      # b2 per decode token: its own key ("attended"), else 0
     double t
     double horizon  # stop past it before the first token (INFINITY: never)
     double arrival  # the new request joins before the first batch at or after it
@@ -1005,7 +1007,7 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
         if b.nlive:
             st.k += 1
             dt = (st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau)
-                  + st.b2 * <double>b.dctx + st.b3 * <double>b.patt)
+                  + st.b2 * <double>b.dctx + st.b2s * <double>b.dec + st.b3 * <double>b.patt)
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1446,6 +1448,7 @@ cdef class Replayer:
         cdef Rq* q
         cdef Batch* b0
         cdef int64_t i, prompt, out_len, cap_tokens, nk
+        cdef Coeffs co
         if pr.policy is not self.policy and pr.policy != self.policy:
             raise ValueError("prepared state belongs to another policy")
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
@@ -1454,16 +1457,13 @@ cdef class Replayer:
         cdef list keys = _key_list(prefix_keys)
         nk = imin(len(keys), prompt // self.P.bs)
         self._ensure(pr)
-        if len(coeffs) == 5:
-            b0_, b1_, b2_, b3_, tau_ = coeffs
-        else:
-            b0_, b1_, b2_, b3_ = coeffs
-            tau_ = 0.0
-        st.b0 = b0_
-        st.b1 = b1_
-        st.b2 = b2_
-        st.b3 = b3_
-        st.tau = tau_
+        read_coeffs(&co, coeffs)
+        st.b0 = co.b0
+        st.b1 = co.b1
+        st.b2 = co.b2
+        st.b3 = co.b3
+        st.tau = co.tau
+        st.b2s = co.b2s
         st.cur += 1
         if st.cur == 0x7fffffff:
             self._restart_epochs()

@@ -29,9 +29,9 @@ from libc.string cimport memcpy, memset
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Params,
-    arrival_arg, cdiv, horizon_arg, imax, imin, output_limit, output_target, read_policy,
-    tokens_arg, tokens_wanted,
+    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs,
+    Params, arrival_arg, cdiv, horizon_arg, imax, imin, output_limit, output_target, read_coeffs,
+    read_policy, tokens_arg, tokens_wanted,
 )
 
 import numpy as np
@@ -225,6 +225,7 @@ ctypedef struct State:
     double b2
     double b3
     double tau           # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
+    double b2s           # b2 per decode token: its own key ("attended"), else 0
     double t
     double horizon       # stop past it before the first token (INFINITY: never)
     double arrival       # the new request joins before the first batch at or after it
@@ -1272,7 +1273,8 @@ cdef int log_batch(State* st, Batch* b, double dt) except -1 nogil:
 
 cdef inline double run_first_batch_s(State* st) noexcept nogil:
     """Eq. 12 time of a closed-form run's first batch: the lazies alone at st.vt."""
-    return st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * (st.s_base + st.n_lazy * st.vt)
+    return (st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau)
+            + st.b2 * (st.s_base + st.n_lazy * st.vt) + st.b2s * st.n_lazy)
 
 
 cdef inline int64_t run_limit_before(State* st, int64_t m, double until) noexcept nogil:
@@ -1352,7 +1354,7 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         dt = 0.0
         for j in range(m):
             dt += st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) \
-                + st.b2 * <double>(st.s_base + st.n_lazy * (st.vt + j))
+                + st.b2 * <double>(st.s_base + st.n_lazy * (st.vt + j)) + st.b2s * st.n_lazy
             st.tok_k[st.n_tok] = st.k + j + 1
             st.tok_t[st.n_tok] = st.t + dt
             st.n_tok += 1
@@ -1367,7 +1369,8 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
             b.dec = st.n_lazy
             b.dctx = st.s_base + st.n_lazy * v
             st.ring_n -= 1  # the record is all this batch leaves behind
-            log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx)
+            log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx
+                      + st.b2s * st.n_lazy)
     if not st.unlimited:
         st.free_blocks -= demand_over(st, st.vt, m)
     st.t += dt
@@ -1422,7 +1425,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
         if b.nsched > 0:
             st.k += 1
             dt = st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau) + st.b2 * b.dctx \
-                + st.b3 * b.patt
+                + st.b2s * b.dec + st.b3 * b.patt
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1865,22 +1868,20 @@ cdef class Replayer:
         cdef Batch* b0
         cdef int64_t i
         cdef int64_t prompt, out_len, cap_tokens
+        cdef Coeffs co
         if pr.code != self.code or pr.bs != self.P.bs:
             raise ValueError("prepared state belongs to another policy")
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
         out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
         cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
         self._ensure(pr.n + 1)
-        if len(coeffs) == 5:
-            b0_, b1_, b2_, b3_, tau_ = coeffs
-        else:
-            b0_, b1_, b2_, b3_ = coeffs
-            tau_ = 0.0
-        st.b0 = b0_
-        st.b1 = b1_
-        st.b2 = b2_
-        st.b3 = b3_
-        st.tau = tau_
+        read_coeffs(&co, coeffs)
+        st.b0 = co.b0
+        st.b1 = co.b1
+        st.b2 = co.b2
+        st.b3 = co.b3
+        st.tau = co.tau
+        st.b2s = co.b2s
         st.src = pr.r
         st.cur += 1
         if st.cur == 0x7fffffff:

@@ -167,3 +167,27 @@ cdef inline double arrival_arg(object v, object check) except? -1.0:
         if 0.0 <= a and a - a == 0.0:  # NaN and infinities fail the second
             return a
     return check(v)
+
+
+ctypedef struct Coeffs:
+    double b0
+    double b1
+    double b2
+    double b3
+    double tau          # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
+    double b2s          # b2 per decode token, for its own key ("attended"); 0 = "before"
+
+
+cdef inline int read_coeffs(Coeffs* c, object coeffs) except -1:
+    """Eq. 12's coefficients as BatchTimeModel.replay_coeffs gives them:
+    (b0, b1, b2, b3), then optionally tau and a decode token's own keys."""
+    cdef Py_ssize_t n = len(coeffs)
+    if n < 4 or n > 6:
+        raise ValueError(f"coeffs must hold 4 to 6 numbers (got {n})")
+    c.b0 = coeffs[0]
+    c.b1 = coeffs[1]
+    c.b2 = coeffs[2]
+    c.b3 = coeffs[3]
+    c.tau = coeffs[4] if n > 4 else 0.0
+    c.b2s = c.b2 * <double>coeffs[5] if n > 5 else 0.0
+    return 0

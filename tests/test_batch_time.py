@@ -70,7 +70,12 @@ def assert_close(model: BatchTimeModel, expected: BatchTimeModel, rel: float) ->
 
 def test_eq12_terms_and_replay_record() -> None:
     m = BatchTimeModel(0.004, 2e-5, 4e-8, 1e-10)
+    # Ten decodes at contexts summing to 5000 attend 5010 keys (docs/batch-time.md).
     assert m.batch_time(100, 10, 5000, 5050) == pytest.approx(
+        0.004 + 110 * 2e-5 + 5010 * 4e-8 + 5050e-10
+    )
+    before = BatchTimeModel(0.004, 2e-5, 4e-8, 1e-10, decode_keys="before")
+    assert before.batch_time(100, 10, 5000, 5050) == pytest.approx(
         0.004 + 110 * 2e-5 + 5000 * 4e-8 + 5050e-10
     )
     rec = BatchRecord(3, 100, 10, 5000, 5050, 1, 0, duration_s=0.0)

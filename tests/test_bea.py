@@ -32,8 +32,8 @@ def test_single_batch_time_is_eq12(impl: str) -> None:
     r = est.estimate(snap, 512, 10, explain=True)
     assert r.first_token_batch == 1
     assert r.stop_reason is StopReason.FIRST_TOKEN
-    # one decode at context 700 + a 512-token prefill from scratch
-    want = 0.005 + 2e-5 * 513 + 5e-8 * 700 + 1e-10 * (512 * 513 // 2)
+    # one decode at context 700 (attending 701 keys) + a 512-token prefill from scratch
+    want = 0.005 + 2e-5 * 513 + 5e-8 * 701 + 1e-10 * (512 * 513 // 2)
     assert r.ttft_s == pytest.approx(want)
     assert r.batches is not None
     assert r.batches[0].duration_s == pytest.approx(want)

@@ -30,7 +30,7 @@ from bearsdk.replay.blocks import chain_keys
 from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry
 from bearsdk.snapshot import Snapshot, snapshot_from_dict
 
-COEFFS = (3e-3, 2e-5, 4e-8, 1e-9)
+COEFFS = (3e-3, 2e-5, 4e-8, 1e-9, 0.0, 1.0)  # decode_keys="attended"
 
 
 def _content(k: int | None) -> int | str | None:

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(
     "cython" not in implementations(), reason="compiled replay not built"
 )
 
-COEFFS = (0.003, 2e-5, 5e-8, 1e-10)
+# BatchTimeModel.replay_coeffs of the default model: each decode's own key priced
+# (decode_keys="attended"), which the closed-form decode runs must sum alike.
+COEFFS = (0.003, 2e-5, 5e-8, 1e-10, 0.0, 1.0)
 MAX_BATCHES = 400
 # A pool every drawn snapshot fits in (the spec's physical bound on kv.num_blocks).
 PROBE_POOL = 1 << 24

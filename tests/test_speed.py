@@ -178,7 +178,8 @@ def test_the_work_of_a_pair_is_what_eq12_prices() -> None:
     iv = interval_evidence(a, b, MODEL, 2048)
     assert iv is not None
     assert (iv.steps, iv.prefill_tokens, iv.decode_tokens) == (10, 512, 20)
-    ctx = (10 * 110 + 45) + (10 * 250 + 45)
+    # Each decode attends its context and itself (decode_keys="attended").
+    ctx = (10 * 110 + 45) + (10 * 250 + 45) + 20
     att = 512 * 513 // 2
     # One step carries the prefill (512 + 2 tokens), nine carry 2 decodes each.
     dense = (512 + 2) + 9 * 2

@@ -43,7 +43,7 @@ def estimator(**over: Any) -> BEAEstimator:
 def running_engine(seed: int = 0, n: int = 40, steps: int = 30) -> tuple[SchedulerCore, float]:
     """A vllm-v1 core with ``n`` requests, run ``steps`` batches in virtual time."""
     core = SchedulerCore(bind_scheduler("vllm-v1", PARAMS))
-    core.b0, core.b1, core.b2, core.b3 = BT.coeffs
+    core.set_coeffs(BT.replay_coeffs)
     rng = random.Random(seed)
     for i in range(n):
         core.add_request(f"r{i}", rng.randint(100, 2000), rng.randint(10, 300))
@@ -611,11 +611,16 @@ def test_fast_forward_times_batches_with_the_replays_dense_floor() -> None:
     snap = _one_decoding("chatcmpl-x")
     ff = FastForward(snap, est, captured=0.0)
     ff.advance(1e-9, [])  # schedules the first batch: the one decode token
-    want = floor.b0 + floor.b1 * 64.0 + floor.b2 * 100
+    want = floor.b0 + floor.b1 * 64.0 + floor.b2 * 101  # context 100, and itself
     assert ff.elapsed(1.0) == pytest.approx(want, rel=1e-12)
     # The replay of the same snapshot charges its first batch alike.
     rec = est.estimate(snap, 1, 1, explain=True).batches
     assert rec is not None
-    assert rec[0].duration_s == pytest.approx(
-        floor.b0 + floor.b1 * 64.0 + floor.b2 * rec[0].decode_context + floor.b3 * 1, rel=1e-12
+    assert rec[0].duration_s == pytest.approx(floor.time_of(rec[0]), rel=1e-12)
+    assert floor.time_of(rec[0]) == pytest.approx(
+        floor.b0
+        + floor.b1 * 64.0
+        + floor.b2 * (rec[0].decode_context + rec[0].decode_tokens)
+        + floor.b3 * 1,
+        rel=1e-12,
     )

@@ -199,7 +199,7 @@ def _prepared(
     pol = pol.with_kv(kv.block_size, kv.num_blocks)
     rp = compile_scheduler(pol, impl)
     prep = rp.prepare(sc.snapshot.table, kv.free_blocks, sc.snapshot.ids)
-    coeffs = COEFFS.coeffs
+    coeffs = COEFFS.replay_coeffs
     res = rp.replay(prep, sc.prompt_tokens, sc.output_len, coeffs, record=True)
     preempted = sum(b.preempted for b in res.batches or ())
 

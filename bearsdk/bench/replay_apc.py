@@ -149,7 +149,7 @@ def _call(rp: Any, sc: ApcScenario, blocks: bool) -> tuple[Callable[[], float], 
     snap = sc.snapshot
     assert snap.kv is not None
     assert snap.prefix_cache is not None
-    coeffs = COEFFS.coeffs
+    coeffs = COEFFS.replay_coeffs
     n = len(sc.prompt_ids)
     cache = snap.prefix_cache if blocks else None
     # Only with the blocks: the counted call is timed exactly as the router makes it.

@@ -140,7 +140,7 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
     caches = {d: states[(d, METHODS[0])].cache for d in delays}
     offered: dict[float, int] = dict.fromkeys(delays, -1)
     core = SchedulerCore(pol)
-    core.b0, core.b1, core.b2, core.b3 = COEFFS.coeffs
+    core.set_coeffs(COEFFS.replay_coeffs)
     depth = 2 if pol.async_scheduling else 1
     arrivals = deque(workload.arrivals())
     published: deque[tuple[float, int, dict[str, Any]]] = deque()

@@ -61,6 +61,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="also fit the richer dense term b1*max(tokens, tau)",
     )
     p.add_argument(
+        "--decode-keys",
+        choices=("attended", "before"),
+        default="attended",
+        help="what b2 prices per decode: the keys it attends (its context and itself, "
+        "default) or its context before the batch (docs/batch-time.md)",
+    )
+    p.add_argument(
         "--loss", choices=("huber", "squared"), default="huber", help="fit loss (default: huber)"
     )
     p.add_argument(
@@ -111,7 +118,11 @@ def _fit_batches(args: argparse.Namespace) -> int:
     if not obs:
         raise BearError(f"{args.batches}: no batches")
     fit = fit_batch_time(
-        obs, dense_floor=args.dense_floor, loss=args.loss, huber_delta=args.huber_delta
+        obs,
+        dense_floor=args.dense_floor,
+        loss=args.loss,
+        huber_delta=args.huber_delta,
+        decode_keys=args.decode_keys,
     )
     theta = None
     if any(o.prefill_tokens > 0 for o in obs):
@@ -131,7 +142,8 @@ def _fit_batches(args: argparse.Namespace) -> int:
         f"batches     {fit.n} ({fit.n_downweighted} down-weighted as outliers, {args.loss} loss)",
         f"b0          {m.b0:.6g} s",
         f"b1          {m.b1:.6g} s/token",
-        f"b2          {m.b2:.6g} s/context token",
+        f"b2          {m.b2:.6g} s/context token ({m.decode_keys}: "
+        f"{'its context and itself' if m.self_keys else 'its context'} per decode)",
         f"b3          {m.b3:.6g} s/prefill-attention unit",
     ]
     if m.has_dense_floor or args.dense_floor:

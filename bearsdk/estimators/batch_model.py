@@ -34,6 +34,7 @@ from bearsdk.replay.types import BatchRecord
 __all__ = [
     "BATCH_SCHEMA",
     "COEFF_NAMES",
+    "DECODE_KEYS",
     "BatchDataError",
     "BatchObservation",
     "BatchTimeModel",
@@ -50,6 +51,12 @@ BATCH_SCHEMA: Final = "bear.batch/1"
 COEFF_NAMES: Final = ("b0", "b1", "b2", "b3")
 """The names of eq. 12's coefficients, in order."""
 _TERM_NAMES: Final = ("overhead", "tokens", "decode_context", "prefill_attention")
+
+DECODE_KEYS: Final = ("attended", "before")
+"""What a decode token's context counts in the ``b2`` term, the default first:
+``"attended"``, the keys it attends (the tokens computed before it plus its own,
+as vLLM's attention kernels read them and Vidur prices them); ``"before"``, only
+the tokens computed before it. See ``docs/batch-time.md``."""
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -80,6 +87,14 @@ def _nonneg(inst: object, att: attrs.Attribute[float], value: float) -> None:
         )
 
 
+def _decode_keys(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if value not in DECODE_KEYS:
+        raise ValueError(
+            f"batch-time {att.name} must be one of {', '.join(map(repr, DECODE_KEYS))}"
+            f" (got {value!r})"
+        )
+
+
 def prefill_attention_of(tokens: int, context: int) -> int:
     """Eq. 12's prefill-attention units of a chunk of ``tokens`` after ``context`` computed ones."""
     return tokens * context + tokens * (tokens + 1) // 2
@@ -96,6 +111,11 @@ class BatchTimeModel:
         b3: Per unit of prefill attention (``t*c + t*(t+1)/2``).
         dense_floor_tokens: Optional richer dense term ``tau`` (tokens): the dense
             part costs ``b1 * max(tokens, tau)``. ``0`` (default) is eq. 12 as is.
+        decode_keys: What ``b2`` prices per decode token (:data:`DECODE_KEYS`):
+            ``"attended"`` (default), its context plus itself, the keys the
+            attention kernel reads; ``"before"``, its context alone. Batch
+            records and observations always carry the context before the batch;
+            the convention is applied here, when they are priced.
     """
 
     b0: float = attrs.field(converter=float, validator=_nonneg)
@@ -103,11 +123,33 @@ class BatchTimeModel:
     b2: float = attrs.field(converter=float, validator=_nonneg)
     b3: float = attrs.field(converter=float, validator=_nonneg)
     dense_floor_tokens: float = attrs.field(default=0.0, converter=float, validator=_nonneg)
+    decode_keys: str = attrs.field(default=DECODE_KEYS[0], validator=_decode_keys, kw_only=True)
 
     @property
     def coeffs(self) -> tuple[float, float, float, float]:
-        """``(b0, b1, b2, b3)``, the form the replay loop takes (eq. 12 only)."""
+        """``(b0, b1, b2, b3)``: the four coefficients alone (see :attr:`replay_coeffs`)."""
         return (self.b0, self.b1, self.b2, self.b3)
+
+    @property
+    def self_keys(self) -> int:
+        """Keys a decode token adds to its own context in the ``b2`` term (1 or 0)."""
+        return 1 if self.decode_keys == "attended" else 0
+
+    @property
+    def replay_coeffs(self) -> tuple[float, ...]:
+        """The tuple the replay loops take: ``(b0, b1, b2, b3)``, with
+        ``dense_floor_tokens`` appended when the floor is on, and then
+        :attr:`self_keys` when a decode token's own key is priced."""
+        if self.self_keys:
+            return (self.b0, self.b1, self.b2, self.b3, self.dense_floor_tokens, 1.0)
+        if self.has_dense_floor:
+            return self.extended_coeffs
+        return self.coeffs
+
+    def decode_units(self, decode_tokens: float, decode_context: float) -> float:
+        """What ``b2`` multiplies: the decodes' contexts before the batch, plus
+        one key each under the ``"attended"`` convention."""
+        return decode_context + self.self_keys * decode_tokens
 
     @property
     def extended_coeffs(self) -> tuple[float, float, float, float, float]:
@@ -128,7 +170,8 @@ class BatchTimeModel:
             dense = self.b1 * self.dense_floor_tokens
         else:
             dense = self.b1 * tokens
-        return self.b0 + dense + self.b2 * decode_context + self.b3 * prefill_attention
+        decode = decode_context + self.self_keys * decode_tokens
+        return self.b0 + dense + self.b2 * decode + self.b3 * prefill_attention
 
     def time_of(self, batch: BatchRecord | BatchObservation) -> float:
         """Return the predicted duration of a simulated or observed batch (seconds)."""
@@ -148,19 +191,23 @@ class BatchTimeModel:
         """
         f = np.asarray(features, dtype=np.float64)
         tokens = np.maximum(f[:, 0] + f[:, 1], self.dense_floor_tokens)
+        decode = f[:, 2] + self.self_keys * f[:, 1]
         return np.asarray(
-            self.b0 + self.b1 * tokens + self.b2 * f[:, 2] + self.b3 * f[:, 3], dtype=np.float64
+            self.b0 + self.b1 * tokens + self.b2 * decode + self.b3 * f[:, 3], dtype=np.float64
         )
 
     def with_dense_floor(self, tokens: float) -> BatchTimeModel:
         """Return a copy with the richer dense term's floor set to ``tokens``."""
         return attrs.evolve(self, dense_floor_tokens=tokens)
 
-    def to_dict(self) -> dict[str, float]:
-        """Return the coefficients as a plain mapping (``dense_floor_tokens`` only when on)."""
-        d = {"b0": self.b0, "b1": self.b1, "b2": self.b2, "b3": self.b3}
+    def to_dict(self) -> dict[str, float | str]:
+        """Return the coefficients as a plain mapping (``dense_floor_tokens`` only
+        when on, ``decode_keys`` only when not the default)."""
+        d: dict[str, float | str] = {"b0": self.b0, "b1": self.b1, "b2": self.b2, "b3": self.b3}
         if self.has_dense_floor:
             d["dense_floor_tokens"] = self.dense_floor_tokens
+        if self.decode_keys != DECODE_KEYS[0]:
+            d["decode_keys"] = self.decode_keys
         return d
 
 
@@ -393,5 +440,5 @@ def iter_terms(model: BatchTimeModel, batch: BatchObservation) -> Iterator[tuple
     tokens = max(batch.total_tokens, model.dense_floor_tokens)
     yield _TERM_NAMES[0], model.b0
     yield _TERM_NAMES[1], model.b1 * tokens
-    yield _TERM_NAMES[2], model.b2 * batch.decode_context
+    yield _TERM_NAMES[2], model.b2 * model.decode_units(batch.decode_tokens, batch.decode_context)
     yield _TERM_NAMES[3], model.b3 * batch.prefill_attention

@@ -36,6 +36,7 @@ import numpy as np
 from bearsdk.estimators.batch_model import (
     BATCH_SCHEMA,
     COEFF_NAMES,
+    DECODE_KEYS,
     BatchDataError,
     BatchObservation,
     BatchTimeModel,
@@ -51,6 +52,7 @@ from bearsdk.replay.types import BatchRecord
 
 __all__ = [
     "BATCH_SCHEMA",
+    "DECODE_KEYS",
     "BatchDataError",
     "BatchObservation",
     "BatchTimeFit",
@@ -109,11 +111,11 @@ def _nnls_normal(gram: FloatArray, rhs: FloatArray) -> FloatArray:
     return best
 
 
-def _design(features: FloatArray, tau: float) -> FloatArray:
+def _design(features: FloatArray, tau: float, self_keys: int) -> FloatArray:
     x = np.empty((features.shape[0], 4), dtype=np.float64)
     x[:, 0] = 1.0
     x[:, 1] = np.maximum(features[:, 0] + features[:, 1], tau)
-    x[:, 2] = features[:, 2]
+    x[:, 2] = features[:, 2] + self_keys * features[:, 1]
     x[:, 3] = features[:, 3]
     return x
 
@@ -184,6 +186,7 @@ def fit_batch_time(
     loss: Literal["huber", "squared"] = "huber",
     huber_delta: float = 0.05,
     max_iter: int = 50,
+    decode_keys: str = DECODE_KEYS[0],
 ) -> BatchTimeFit:
     """Fit eq. 12's coefficients to observed batches: non-negative and robust to outliers.
 
@@ -202,6 +205,7 @@ def fit_batch_time(
         loss: ``"huber"`` (robust, default) or ``"squared"`` (plain relative LS).
         huber_delta: Relative residual beyond which a batch is down-weighted.
         max_iter: Cap on reweighting iterations.
+        decode_keys: The model's decode convention (:data:`DECODE_KEYS`).
 
     Returns:
         The fit and its error statistics.
@@ -226,18 +230,26 @@ def fit_batch_time(
         raise BatchDataError("loss", "must be 'huber' or 'squared'", loss)
     if not (huber_delta > 0 and math.isfinite(huber_delta)):
         raise BatchDataError("huber_delta", "must be a finite number > 0", huber_delta)
+    if decode_keys not in DECODE_KEYS:
+        raise BatchDataError("decode_keys", f"must be one of {DECODE_KEYS}", decode_keys)
+    self_keys = 1 if decode_keys == "attended" else 0
 
     tau = 0.0
     if dense_floor is True:
-        tau = _search_floor(features, y, loss, huber_delta, max_iter)
+        tau = _search_floor(features, y, loss, huber_delta, max_iter, self_keys)
     elif dense_floor is not False:
         tau = float(dense_floor)
         if not (math.isfinite(tau) and tau >= 0):
             raise BatchDataError("dense_floor", "must be a finite number >= 0", dense_floor)
-    x = _design(features, tau)
+    x = _design(features, tau, self_keys)
     coef, weights, it = _irls(x, y, loss, huber_delta, max_iter)
     model = BatchTimeModel(
-        float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), dense_floor_tokens=tau
+        float(coef[0]),
+        float(coef[1]),
+        float(coef[2]),
+        float(coef[3]),
+        dense_floor_tokens=tau,
+        decode_keys=decode_keys,
     )
     ape = np.abs(model.predict(features) - y) / y
     unidentified = tuple(COEFF_NAMES[j] for j in (2, 3) if not np.any(features[:, j] != 0))
@@ -254,7 +266,7 @@ def fit_batch_time(
 
 
 def _search_floor(
-    features: FloatArray, y: FloatArray, loss: str, delta: float, max_iter: int
+    features: FloatArray, y: FloatArray, loss: str, delta: float, max_iter: int, self_keys: int
 ) -> float:
     tokens = features[:, 0] + features[:, 1]
     # Candidates: observed batch sizes up to the 95th percentile (a knee above
@@ -262,11 +274,11 @@ def _search_floor(
     cap = float(np.quantile(tokens, 0.95))
     every = np.concatenate([[0.0], np.unique(tokens[tokens <= cap])])
     # Robust weights from the eq. 12 fit keep one hiccup from choosing the knee.
-    _, h, _ = _irls(_design(features, 0.0), y, loss, delta, max_iter)
+    _, h, _ = _irls(_design(features, 0.0, self_keys), y, loss, delta, max_iter)
     w = h / (y * y)
 
     def objective(tau: float) -> float:
-        x = _design(features, tau)
+        x = _design(features, tau, self_keys)
         coef = _weighted_nnls(x, y, w)
         return float(np.sum(w * (y - x @ coef) ** 2))
 
@@ -345,7 +357,7 @@ class OnlineBatchTime:
 
     Args:
         initial: The starting model (a profile, or an offline fit). Its
-            ``dense_floor_tokens`` is kept fixed.
+            ``dense_floor_tokens`` and ``decode_keys`` are kept fixed.
         forgetting: Per-batch forgetting factor in ``(0, 1]``.
         prior_weight: Batch-equivalents of damping towards ``initial`` at start
             (forgotten like data).
@@ -414,12 +426,12 @@ class OnlineBatchTime:
         # the initial model, so the anchor blocks wind-up without biasing the fit.
         self._anchor = theta
         coef = theta * self._scale
-        self._model = BatchTimeModel(
-            float(coef[0]),
-            float(coef[1]),
-            float(coef[2]),
-            float(coef[3]),
-            dense_floor_tokens=self.initial.dense_floor_tokens,
+        self._model = attrs.evolve(
+            self.initial,
+            b0=float(coef[0]),
+            b1=float(coef[1]),
+            b2=float(coef[2]),
+            b3=float(coef[3]),
         )
         self._dirty = False
 
@@ -507,7 +519,7 @@ class OnlineBatchTime:
             [
                 1.0,
                 max(prefill_tokens + decode_tokens, model.dense_floor_tokens),
-                decode_context,
+                model.decode_units(decode_tokens, decode_context),
                 prefill_attention,
             ]
         )

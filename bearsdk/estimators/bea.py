@@ -39,8 +39,8 @@ _HORIZON_STOPS = 8
 
 
 def _replay_coeffs(bt: BatchTimeModel) -> tuple[float, ...]:
-    """The coefficients the replay loops take: eq. 12, plus the dense floor when on."""
-    return bt.extended_coeffs if bt.has_dense_floor else bt.coeffs
+    """The coefficients the replay loops take (:attr:`BatchTimeModel.replay_coeffs`)."""
+    return bt.replay_coeffs
 
 
 def _replay_horizon(horizon_s: float, prepared: PreparedSnapshot, arrival_s: float = 0.0) -> float:
@@ -251,9 +251,9 @@ class BEAEstimator:
 
     @property
     def replay_coeffs(self) -> tuple[float, ...]:
-        """The coefficients the replay runs on: eq. 12's four, plus the dense
-        floor's ``tau`` when :attr:`batch_time` has one (fast-forward times its
-        batches with the same)."""
+        """The coefficients the replay runs on (:attr:`BatchTimeModel.replay_coeffs`:
+        eq. 12's four, then the dense floor's ``tau`` and the decode convention
+        where needed); fast-forward times its batches with the same."""
         return self._coeffs
 
     @classmethod

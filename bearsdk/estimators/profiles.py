@@ -20,7 +20,8 @@ test re-derives them from the shared data):
   ``b0`` and ``4 L b hidden`` to ``b1``.
 * ``b0`` also gets the LM-head weight read (``vocab * hidden * 2 / tp`` bytes at
   the attention bandwidth efficiency) and a fixed engine step overhead.
-* ``b2`` (decode attention, per context token): the KV bytes one context token
+* ``b2`` (decode attention, per key a decode reads: its context and itself, the
+  profiles' ``decode_keys = "attended"``): the KV bytes one context token
   holds on one GPU (``2 * L * ceil(kv_heads / tp) * head_dim * 2``) over the HBM
   bandwidth times ``ATTN_BW_EFFICIENCY``.
 * ``b3`` (prefill attention, per query-key pair): ``4 * head_dim * heads / tp * L``
@@ -45,7 +46,7 @@ from typing import Any, Final
 import attrs
 import numpy as np
 
-from bearsdk.estimators.batch_time import BatchTimeModel
+from bearsdk.estimators.batch_time import DECODE_KEYS, BatchTimeModel
 from bearsdk.estimators.dense import (
     MLP_CSV,
     NETWORK_CSV,
@@ -423,7 +424,9 @@ def _load_all() -> dict[str, BatchTimeProfile]:
     out = {}
     for name, t in doc.get("profiles", {}).items():
         try:
-            model = BatchTimeModel(t["b0"], t["b1"], t["b2"], t["b3"])
+            model = BatchTimeModel(
+                t["b0"], t["b1"], t["b2"], t["b3"], decode_keys=t.get("decode_keys", DECODE_KEYS[0])
+            )
             fl = t["dense_floor"]
             floor_model = BatchTimeModel(
                 fl["b0"],
@@ -431,6 +434,7 @@ def _load_all() -> dict[str, BatchTimeProfile]:
                 fl["b2"],
                 fl["b3"],
                 dense_floor_tokens=fl.get("dense_floor_tokens", 0.0),
+                decode_keys=fl.get("decode_keys", DECODE_KEYS[0]),
             )
             out[name] = BatchTimeProfile(
                 name=name,

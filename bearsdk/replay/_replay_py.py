@@ -171,7 +171,10 @@ class Replayer:
             output_len: Its (predicted) output length.
             coeffs: Eq. 12 coefficients ``(b0, b1, b2, b3)`` in seconds, optionally
                 followed by the richer dense term's floor ``tau`` (tokens): the dense
-                part then costs ``b1 * max(tokens, tau)``.
+                part then costs ``b1 * max(tokens, tau)``; and then by the keys a
+                decode adds to its own context (``1.0``: it attends itself), as
+                :attr:`~bearsdk.estimators.batch_time.BatchTimeModel.replay_coeffs`
+                gives them.
             record: Return the simulated batches.
             max_batches: Give up after this many batches.
             max_tokens: The new request's output cap (``-1``: none).

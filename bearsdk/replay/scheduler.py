@@ -156,7 +156,7 @@ class SchedulerCore:
             self.pool = BlockPool(policy.num_blocks, policy.reserved_blocks)
         self.free = free_blocks
         self.record = False
-        self.b0 = self.b1 = self.b2 = self.b3 = self.tau = 0.0
+        self.b0 = self.b1 = self.b2 = self.b3 = self.tau = self.b2s = 0.0
         self.batches: list[BatchRecord] = []
         self.queue: deque[ScheduledBatch] = deque()
         # The replay's new request, and whether an admission has looked at it
@@ -198,8 +198,7 @@ class SchedulerCore:
         # A plain bear.snapshot/1 names no blocks: its replay counts them.
         core.pool = None if prepared.pool is None else prepared.pool.copy()
         core.record = record
-        core.b0, core.b1, core.b2, core.b3 = (float(c) for c in coeffs[:4])
-        core.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
+        core.set_coeffs(coeffs)
         core.batches = []
         core.watched = None
         core.watched_seen = False
@@ -868,11 +867,24 @@ class SchedulerCore:
 
     # -- eq. 12 --------------------------------------------------------------
 
+    def set_coeffs(self, coeffs: Sequence[float]) -> None:
+        """Take eq. 12's coefficients as the replay loops do: ``(b0, b1, b2, b3)``,
+        then optionally ``tau`` and a decode token's own keys
+        (:attr:`~bearsdk.estimators.batch_model.BatchTimeModel.replay_coeffs`)."""
+        if not 4 <= len(coeffs) <= 6:
+            raise ValueError(f"coeffs must hold 4 to 6 numbers (got {len(coeffs)})")
+        self.b0, self.b1, self.b2, self.b3 = (float(c) for c in coeffs[:4])
+        self.tau = float(coeffs[4]) if len(coeffs) > 4 else 0.0
+        # b2 per decode token: the compiled loops add it as a term of its own,
+        # so the twins sum in the same order and agree to the bit.
+        self.b2s = self.b2 * float(coeffs[5]) if len(coeffs) > 5 else 0.0
+
     def account(self, b: ScheduledBatch) -> float:
         dt = (
             self.b0
             + self.b1 * max(float(b.pre + b.dec), self.tau)
             + self.b2 * b.dctx
+            + self.b2s * b.dec
             + self.b3 * b.patt
         )
         if self.record:

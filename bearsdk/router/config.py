@@ -117,7 +117,9 @@ class InstanceConfig:
         scheduler: Registered scheduler-policy name.
         scheduler_params: Policy parameters, named as the engine's flags.
         profile: Batch-time profile name (``bearsdk calibrate --list-profiles``).
-        batch_time: Explicit eq. 12 coefficients, overriding ``profile``.
+        batch_time: Explicit eq. 12 coefficients, overriding ``profile``; in a
+            pool file ``[b0, b1, b2, b3]`` or a table with those keys and
+            optionally ``dense_floor_tokens`` and ``decode_keys``.
         snapshots: A registered snapshot source kind (:data:`SNAPSHOT_MODES` are
             the built-ins).
         poll_interval_s: Interval of polling sources (``poll``, ``metrics``).
@@ -192,6 +194,40 @@ class InstanceConfig:
 _FIELDS: Final = {f.name for f in attrs.fields(InstanceConfig)}
 
 
+_BATCH_TIME_KEYS: Final = ("b0", "b1", "b2", "b3", "dense_floor_tokens", "decode_keys")
+
+
+def _batch_time(label: str, bt: object) -> BatchTimeModel:
+    """``batch_time``: ``[b0, b1, b2, b3]``, or a table as ``bearsdk calibrate`` prints it."""
+    try:
+        if isinstance(bt, Mapping):
+            unknown = sorted(set(map(str, bt)) - set(_BATCH_TIME_KEYS))
+            if unknown:
+                raise ConfigError(
+                    f"{label}: batch_time.{unknown[0]} is not a known field"
+                    f" (known: {', '.join(_BATCH_TIME_KEYS)})"
+                )
+            missing = [k for k in _BATCH_TIME_KEYS[:4] if k not in bt]
+            if missing:
+                raise ConfigError(f"{label}: batch_time.{missing[0]} is required")
+            return BatchTimeModel(**{str(k): v for k, v in bt.items()})
+        if isinstance(bt, str) or not isinstance(bt, Sequence) or len(bt) != 4:
+            raise ConfigError(
+                f"{label}: batch_time must be [b0, b1, b2, b3] or a table (got {bt!r})"
+            )
+        return BatchTimeModel(*bt)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        # The model names its field ("batch-time coefficient b2 must be ..."):
+        # say it as the pool file spells it.
+        msg = str(exc)
+        for prefix in ("batch-time coefficient ", "batch-time "):
+            if msg.startswith(prefix):
+                raise ConfigError(f"{label}: batch_time.{msg[len(prefix) :]}") from None
+        raise ConfigError(f"{label}: batch_time: {msg}") from None
+
+
 def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> InstanceConfig:
     """Build an :class:`InstanceConfig` from its dict form, strictly."""
     if not isinstance(d, Mapping):
@@ -213,12 +249,7 @@ def instance_from_dict(d: Mapping[str, Any], where: str = "instance") -> Instanc
     kw = dict(d)
     bt = kw.get("batch_time")
     if bt is not None and not isinstance(bt, BatchTimeModel):
-        if not isinstance(bt, Sequence) or len(bt) != 4:
-            raise ConfigError(f"{label}: batch_time must be [b0, b1, b2, b3] (got {bt!r})")
-        try:
-            kw["batch_time"] = BatchTimeModel(*bt)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{label}: batch_time: {exc}") from None
+        kw["batch_time"] = _batch_time(label, bt)
     params = kw.get("scheduler_params")
     if params is not None and not isinstance(params, Mapping):
         raise ConfigError(f"{label}: scheduler_params must be a table (got {params!r})")

@@ -166,7 +166,8 @@ def _work(prompt: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     att = pre * lo + pre * (pre + 1.0) / 2.0
     dec = end - start - pre
     s = np.maximum(start, prompt)
-    # The replay's convention: a decode token attends over the tokens computed before it.
+    # The contexts before each decode token (the model adds its own key where its
+    # convention says so: BatchTimeModel.decode_units).
     ctx = dec * s + dec * (dec - 1.0) / 2.0
     return np.array([pre.sum(), dec.sum(), ctx.sum(), att.sum()])
 
@@ -185,7 +186,12 @@ def _price(
     dense = (steps - m) * max(per_step, floor)
     if m:
         dense += m * max(per_step + pre / m, floor)
-    return (model.b0 * steps, model.b1 * dense, model.b2 * ctx, model.b3 * att)
+    return (
+        model.b0 * steps,
+        model.b1 * dense,
+        model.b2 * model.decode_units(dec, ctx),
+        model.b3 * att,
+    )
 
 
 @attrs.frozen
@@ -332,9 +338,7 @@ class SpeedTracker:
         if m is None:
             b = self.base
             f0, f1, f2, f3 = self.term_factors
-            m = BatchTimeModel(
-                b.b0 * f0, b.b1 * f1, b.b2 * f2, b.b3 * f3, dense_floor_tokens=b.dense_floor_tokens
-            )
+            m = attrs.evolve(b, b0=b.b0 * f0, b1=b.b1 * f1, b2=b.b2 * f2, b3=b.b3 * f3)
             self._model = m
             self._solved = self._intervals
         return m
