@@ -104,21 +104,6 @@ async def cached_pool_for(
 
     slow = GroundTruthParams(time_scale=args.slowdown)
     async with EnginePool.of(*PROFILES, time_model=slow, kv_events=True) as pool:
-        configs = []
-        for c, e in zip(pool.instance_configs(), pool, strict=True):
-            ends = e.kv_events_endpoints
-            assert ends is not None
-            configs.append(
-                InstanceConfig(
-                    name=c.name,
-                    url=c.url,
-                    model=c.model,
-                    scheduler=c.scheduler,
-                    scheduler_params=c.params,
-                    batch_time=e.time_model.fit_eq12(),
-                    kv_events=ends[0],
-                    kv_events_replay=ends[1],
-                )
-            )
+        configs = pool.instance_configs(calibrated=True)
         tokenizers = {e.model_name: stand_in_chat_tokenizer(e.tokenizer) for e in pool}
         yield configs, {"tokenizers": tokenizers}

@@ -57,20 +57,10 @@ async def test_the_next_turn_of_a_conversation_goes_where_its_prefix_is_cached()
     ]
     async with EnginePool(cfgs) as pool:
         engines = list(pool)
-        confs = []
-        for e in engines:
-            ends = e.kv_events_endpoints
-            assert ends is not None
-            confs.append(
-                InstanceConfig(
-                    name=e.instance,
-                    url=e.url,
-                    model=e.model_name,
-                    profile=e.config.profile,
-                    kv_events=ends[0],
-                    kv_events_replay=ends[1],
-                )
-            )
+        confs = pool.instance_configs()
+        assert all(c.kv_events is not None and c.kv_events_replay is not None for c in confs)
+        own = pool.instance_configs(calibrated=True)
+        assert [c.batch_time for c in own] == [e.calibrated_batch_time() for e in engines]
         model = engines[0].model_name
         tok = stand_in_chat_tokenizer(engines[0].tokenizer)
         async with AsyncRouter(confs, BEAR(), tokenizers={model: tok}) as router:

@@ -123,7 +123,7 @@ async def _run(
 ) -> AgentRun:
     from bearsdk.emulator import EngineConfig, EnginePool, GroundTruthParams
     from bearsdk.emulator.chat_tokenizer import stand_in_chat_tokenizer
-    from bearsdk.router import AsyncRouter, InstanceConfig
+    from bearsdk.router import AsyncRouter
     from bearsdk.selectors import BEAR
 
     params = {"enable_prefix_caching": True, "max_model_len": 32768}
@@ -150,19 +150,8 @@ async def _run(
     prompt_tokens = cached_tokens = failed = 0
     async with EnginePool(cfgs) as pool:
         engines = list(pool)
-        confs = []
-        for e in engines:
-            ends = e.kv_events_endpoints if router_kind == "BEAR + cache" else None
-            confs.append(
-                InstanceConfig(
-                    name=e.instance,
-                    url=e.url,
-                    model=e.model_name,
-                    batch_time=e.calibrated_batch_time(),
-                    kv_events=ends[0] if ends else None,
-                    kv_events_replay=ends[1] if ends else None,
-                )
-            )
+        # (Only the "BEAR + cache" engines publish KV events.)
+        confs = pool.instance_configs(calibrated=True)
         model = engines[0].model_name
         kw: dict[str, Any] = {}
         if router_kind == "BEAR + cache":

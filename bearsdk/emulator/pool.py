@@ -72,31 +72,40 @@ class EnginePool(Runs):
         """Base URLs of the engines (after start)."""
         return [e.url for e in self._engines]
 
-    def instance_configs(self, **overrides: Any) -> list[InstanceConfig]:
+    def instance_configs(
+        self, *, calibrated: bool = False, **overrides: Any
+    ) -> list[InstanceConfig]:
         """The router's view of these engines (after start): one
         :class:`~bearsdk.router.InstanceConfig` each, with the engine's name, URL,
-        model, scheduler and batch-time profile, and push snapshots.
+        model, scheduler and batch-time profile, push snapshots, and its KV-event
+        sockets where it publishes them (``kv_events=True``).
 
         Args:
+            calibrated: Give each instance its engine's own eq. 12 fit
+                (:meth:`EmulatedEngine.calibrated_batch_time`) instead of the
+                profile: what ``bearsdk calibrate`` would measure there.
             overrides: Further ``InstanceConfig`` fields, the same for every engine.
         """
         from bearsdk.router import InstanceConfig
 
-        return [
-            InstanceConfig(
-                **{
-                    "name": e.instance,
-                    "url": e.url,
-                    "model": e.model_name,
-                    "scheduler": e.config.scheduler,
-                    "scheduler_params": dict(e.config.params),
-                    "profile": e.config.profile,
-                    "snapshots": "push",
-                    **overrides,
-                }
-            )
-            for e in self._engines
-        ]
+        out = []
+        for e in self._engines:
+            fields: dict[str, Any] = {
+                "name": e.instance,
+                "url": e.url,
+                "model": e.model_name,
+                "scheduler": e.config.scheduler,
+                "scheduler_params": dict(e.config.params),
+                "profile": e.config.profile,
+                "snapshots": "push",
+            }
+            ends = e.kv_events_endpoints
+            if ends is not None:
+                fields["kv_events"], fields["kv_events_replay"] = ends
+            if calibrated:
+                fields["batch_time"] = e.calibrated_batch_time()
+            out.append(InstanceConfig(**{**fields, **overrides}))
+        return out
 
     def __iter__(self) -> Iterator[EmulatedEngine]:
         return iter(self._engines)
