@@ -209,12 +209,7 @@ ctypedef struct St:
     int64_t k
     int64_t work
     int64_t max_work
-    double b0
-    double b1
-    double b2
-    double b3
-    double tau
-    double b2s      # b2 per decode token: its own key ("attended"), else 0
+    Coeffs c            # eq. 12 (read_coeffs)
     double t
     double horizon  # stop past it before the first token (INFINITY: never)
     double arrival  # the new request joins before the first batch at or after it
@@ -1006,8 +1001,8 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
         st.work += 1 + st.n_run + b.nlive
         if b.nlive:
             st.k += 1
-            dt = (st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau)
-                  + st.b2 * <double>b.dctx + st.b2s * <double>b.dec + st.b3 * <double>b.patt)
+            dt = (st.c.b0 + st.c.b1 * fmax(<double>(b.pre + b.dec), st.c.tau)
+                  + st.c.b2 * <double>b.dctx + st.c.b2s * <double>b.dec + st.c.b3 * <double>b.patt)
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1448,7 +1443,6 @@ cdef class Replayer:
         cdef Rq* q
         cdef Batch* b0
         cdef int64_t i, prompt, out_len, cap_tokens, nk
-        cdef Coeffs co
         if pr.policy is not self.policy and pr.policy != self.policy:
             raise ValueError("prepared state belongs to another policy")
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
@@ -1457,13 +1451,7 @@ cdef class Replayer:
         cdef list keys = _key_list(prefix_keys)
         nk = imin(len(keys), prompt // self.P.bs)
         self._ensure(pr)
-        read_coeffs(&co, coeffs)
-        st.b0 = co.b0
-        st.b1 = co.b1
-        st.b2 = co.b2
-        st.b3 = co.b3
-        st.tau = co.tau
-        st.b2s = co.b2s
+        read_coeffs(&st.c, coeffs)
         st.cur += 1
         if st.cur == 0x7fffffff:
             self._restart_epochs()

@@ -220,12 +220,7 @@ ctypedef struct State:
     int64_t cap_tok
     bint new_seen        # admission looked at the new request (see last_new_examined)
     Batch* unlazy_batch  # the batch in flight while one is formed (async), else NULL
-    double b0
-    double b1
-    double b2
-    double b3
-    double tau           # richer dense term: b1 * max(tokens, tau); 0 = eq. 12
-    double b2s           # b2 per decode token: its own key ("attended"), else 0
+    Coeffs c            # eq. 12 (read_coeffs)
     double t
     double horizon       # stop past it before the first token (INFINITY: never)
     double arrival       # the new request joins before the first batch at or after it
@@ -1273,8 +1268,8 @@ cdef int log_batch(State* st, Batch* b, double dt) except -1 nogil:
 
 cdef inline double run_first_batch_s(State* st) noexcept nogil:
     """Eq. 12 time of a closed-form run's first batch: the lazies alone at st.vt."""
-    return (st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau)
-            + st.b2 * (st.s_base + st.n_lazy * st.vt) + st.b2s * st.n_lazy)
+    return (st.c.b0 + st.c.b1 * fmax(<double>st.n_lazy, st.c.tau)
+            + st.c.b2 * (st.s_base + st.n_lazy * st.vt) + st.c.b2s * st.n_lazy)
 
 
 cdef inline int64_t run_limit_before(State* st, int64_t m, double until) noexcept nogil:
@@ -1293,7 +1288,7 @@ cdef inline int64_t run_limit_before(State* st, int64_t m, double until) noexcep
     if left <= 0.0:
         return 0
     a = run_first_batch_s(st)
-    g = st.b2 * st.n_lazy
+    g = st.c.b2 * st.n_lazy
     p = a - g / 2.0
     disc = p * p + 2.0 * g * left
     if p + sqrt(disc) <= 0.0:
@@ -1353,14 +1348,14 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         # Batch by batch (at most next_tokens of them): each ends at a token.
         dt = 0.0
         for j in range(m):
-            dt += st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) \
-                + st.b2 * <double>(st.s_base + st.n_lazy * (st.vt + j)) + st.b2s * st.n_lazy
+            dt += st.c.b0 + st.c.b1 * fmax(<double>st.n_lazy, st.c.tau) \
+                + st.c.b2 * <double>(st.s_base + st.n_lazy * (st.vt + j)) + st.c.b2s * st.n_lazy
             st.tok_k[st.n_tok] = st.k + j + 1
             st.tok_t[st.n_tok] = st.t + dt
             st.n_tok += 1
     else:
         # Sum eq. 12 over the run: contexts grow by n_lazy per batch.
-        dt = m * run_first_batch_s(st) + st.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
+        dt = m * run_first_batch_s(st) + st.c.b2 * st.n_lazy * (<double>m * (m - 1) / 2.0)
     if st.record:
         for j in range(m):
             v = st.vt + j
@@ -1369,8 +1364,8 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
             b.dec = st.n_lazy
             b.dctx = st.s_base + st.n_lazy * v
             st.ring_n -= 1  # the record is all this batch leaves behind
-            log_batch(st, b, st.b0 + st.b1 * fmax(<double>st.n_lazy, st.tau) + st.b2 * b.dctx
-                      + st.b2s * st.n_lazy)
+            log_batch(st, b, st.c.b0 + st.c.b1 * fmax(<double>st.n_lazy, st.c.tau) + st.c.b2 * b.dctx
+                      + st.c.b2s * st.n_lazy)
     if not st.unlimited:
         st.free_blocks -= demand_over(st, st.vt, m)
     st.t += dt
@@ -1424,8 +1419,8 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
         st.step += 1
         if b.nsched > 0:
             st.k += 1
-            dt = st.b0 + st.b1 * fmax(<double>(b.pre + b.dec), st.tau) + st.b2 * b.dctx \
-                + st.b2s * b.dec + st.b3 * b.patt
+            dt = st.c.b0 + st.c.b1 * fmax(<double>(b.pre + b.dec), st.c.tau) + st.c.b2 * b.dctx \
+                + st.c.b2s * b.dec + st.c.b3 * b.patt
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1868,20 +1863,13 @@ cdef class Replayer:
         cdef Batch* b0
         cdef int64_t i
         cdef int64_t prompt, out_len, cap_tokens
-        cdef Coeffs co
         if pr.code != self.code or pr.bs != self.P.bs:
             raise ValueError("prepared state belongs to another policy")
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
         out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
         cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
         self._ensure(pr.n + 1)
-        read_coeffs(&co, coeffs)
-        st.b0 = co.b0
-        st.b1 = co.b1
-        st.b2 = co.b2
-        st.b3 = co.b3
-        st.tau = co.tau
-        st.b2s = co.b2s
+        read_coeffs(&st.c, coeffs)
         st.src = pr.r
         st.cur += 1
         if st.cur == 0x7fffffff:

@@ -626,7 +626,8 @@ class RouterCore:
         """The first token of a request at ``s`` arrived ``observed`` seconds after sending."""
         now = self.clock()
         s.breaker.on_answer()
-        s.state.on_tokens(d.request_id, 1)
+        # The engine produced it the network and HTTP time before it came.
+        s.state.on_tokens(d.request_id, 1, at=now - first_token_overhead(s, now))
         s.stats.on_first_token(d.request_id, now)
         for est in s.estimators.values():
             learn = getattr(est, "learn_first_token", None)

@@ -22,6 +22,13 @@ Timing follows the replay's own convention (``BEAEstimator``: a snapshot's
 TTFT is the remaining time of the batch in flight plus the replayed batches):
 the batch executing at time ``t`` is scheduled, and the snapshot at ``t`` reports
 its remaining time as ``inflight.remaining_s``.
+
+The router also sees when its requests' first tokens come, and each one marks
+the end of an engine batch: :meth:`FastForward.first_token` anchors the virtual
+clock there. The virtual engine then runs ``lag`` seconds behind (or ahead of)
+the caller's clock, so that an error of the batch-time model does not pile up
+over the whole age of the snapshot, only since the last first token
+(``docs/snapshots.md``, "Fast-forward").
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ from bearsdk.snapshot import (
 )
 from bearsdk.state.overlay import Dispatch
 
-__all__ = ["FastForward"]
+__all__ = ["MAX_ANCHOR_BATCHES", "FastForward"]
+
+MAX_ANCHOR_BATCHES = 4096
+"""The most batches :meth:`FastForward.first_token` runs on to meet a first
+token the virtual engine has not produced yet."""
 
 
 def _table(doc: dict[str, Any]) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
@@ -80,6 +91,8 @@ class FastForward:
         estimator: The instance's estimator (policy, batch-time model, length predictor).
         captured: The snapshot's capture time on the caller's clock.
         max_batches: Stop simulating after this many batches in total.
+        lag: Seconds the engine is known to run behind the batch-time model
+            (:meth:`first_token`; a view rebuilt because it had run too far).
 
     Raises:
         ValueError: The snapshot cannot be replayed under the estimator's policy.
@@ -89,6 +102,7 @@ class FastForward:
     estimator: BEAEstimator
     captured: float
     max_batches: int = 1_000_000
+    lag: float = attrs.field(default=0.0, kw_only=True)
     _core: SchedulerCore = attrs.field(init=False)
     _depth: int = attrs.field(init=False)
     _t: float = attrs.field(init=False)  # end of the last scheduled batch (offset from capture)
@@ -101,6 +115,13 @@ class FastForward:
     _pinned: set[str] = attrs.field(init=False, factory=set)
     _extended: set[str] = attrs.field(init=False, factory=set)
     _known: Any = attrs.field(init=False, default=None)  # the predictor's known_lengths
+    # The router's requests whose first token the virtual engine has not produced
+    # yet, and when it produced the others (offsets from capture): anchors.
+    _watch: set[str] = attrs.field(init=False, factory=set)
+    _firsts: dict[str, float] = attrs.field(init=False, factory=dict)
+    _last_start: float = attrs.field(init=False, default=-math.inf)
+    overran: bool = attrs.field(init=False, default=False)
+    """Whether the last anchor found the view further on than the engine."""
 
     def __attrs_post_init__(self) -> None:
         snap = self.snapshot
@@ -128,6 +149,8 @@ class FastForward:
         self._depth = 2 if pol.async_scheduling else 1
         self._t = snap.inflight_remaining_s or 0.0
         self._added = set(snap.ids)
+        first_to_come = snap.table[:, COL_OUTPUT] == 0
+        self._watch = {rid for rid, w in zip(snap.ids, first_to_come.tolist(), strict=True) if w}
 
     @property
     def simulated_batches(self) -> int:
@@ -139,16 +162,14 @@ class FastForward:
         self._added.add(rid)
         self._queue = [d for d in self._queue if d.rid != rid]
         core = self._core
-        sid = rid
-        if rid not in core.requests:
-            # The snapshot names it as the engine does (vLLM: ``chatcmpl-<id>``).
-            sid = next((s for s in core.requests if rid in s), rid)
+        sid = self._sid(rid)
+        self._watch.discard(sid)
         self._pinned.discard(sid)
         self._extended.discard(sid)
         core.abort_request(sid)
 
     def _arrive(self, upto: float) -> None:
-        while self._queue and self._queue[0].time - self.captured <= upto:
+        while self._queue and self._queue[0].time - self.captured - self.lag <= upto:
             d = self._queue.pop(0)
             out = d.output_len
             if out is None:
@@ -159,6 +180,7 @@ class FastForward:
             if d.max_tokens is not None:
                 out = min(out, d.max_tokens)
             self._core.add_request(d.rid, d.prompt_tokens, max(1, out), d.max_tokens)
+            self._watch.add(d.rid)
             if self._known is not None and self._known([d.rid], np.zeros(1, np.int64))[0] > 0:
                 self._pinned.add(d.rid)
 
@@ -174,15 +196,23 @@ class FastForward:
             if d.rid not in self._added:
                 self._added.add(d.rid)
                 self._queue.append(d)
-        to = now - self.captured
+        to = now - self.captured - self.lag
+        self._run(to)
+        self._arrive(to)
+
+    def _run(self, to: float, until_first: str | None = None) -> None:
+        """Simulate batches while they start at or before ``to`` (or, with
+        ``until_first``, until that request's first token, whenever it comes)."""
         core = self._core
-        while self._t <= to:
+        while (self._t <= to) if until_first is None else (until_first not in self._firsts):
             if self._idle:
                 # An idle engine wakes up at the next arrival.
-                if not self._queue or self._queue[0].time - self.captured > to:
-                    self._t = to
+                nxt = self._queue[0].time - self.captured - self.lag if self._queue else math.inf
+                if nxt > to:
+                    if until_first is None:
+                        self._t = to
                     break
-                self._t = max(self._t, self._queue[0].time - self.captured)
+                self._t = max(self._t, nxt)
                 self._idle = False
             self._arrive(self._t)
             if self._pinned:
@@ -195,13 +225,73 @@ class FastForward:
             elif all(q.inert() for q in core.queue):
                 self._idle = True
                 continue
+            if batch:
+                self._last_start = self._t
             core.queue.append(batch)
             if len(core.queue) >= self._depth:
-                core.process(core.queue.popleft())
+                out = core.process(core.queue.popleft())
+                if self._watch and out.tokens:
+                    # The processed batch ends now (synchronous) or ended with
+                    # the previous one (asynchronous: it was scheduled before).
+                    end = self._t + dt if self._depth == 1 else self._t
+                    for rid in out.tokens:
+                        if rid in self._watch:
+                            self._watch.discard(rid)
+                            self._firsts[rid] = end
             self._t += dt
             if self._batches >= self.max_batches:
                 break  # guards a zero-cost batch model; the snapshot is then approximate
-        self._arrive(to)
+
+    def first_token(self, rid: str, at: float, now: float | None = None) -> bool:
+        """The router saw ``rid``'s first token ``at`` seconds after capture (its
+        network and HTTP time taken off): anchor the virtual clock there
+        (:attr:`lag` becomes ``at`` less the virtual engine's time of it).
+
+        Where the virtual engine has not produced that token yet, the engine is
+        ahead, and the virtual one runs on to it first. Where it has, and the
+        engine turns out further behind than the view assumed, the batches
+        simulated since are more than the engine ran: :attr:`overran` says so
+        (the view is then rebuilt from the snapshot with the new lag, batches
+        cannot be taken back). A request the view does not hold, or one it
+        cannot bring to a first token within :data:`MAX_ANCHOR_BATCHES`,
+        anchors nothing.
+
+        Args:
+            rid: The request (the router's id).
+            at: When its first token was produced, seconds after capture.
+            now: The caller's clock, if it is further on (the view is to be
+                advanced there next).
+
+        Returns:
+            Whether the clock was anchored.
+        """
+        sid = self._sid(rid)
+        t = self._firsts.get(sid)
+        if t is None:
+            if sid not in self._watch:
+                return False
+            limit, self.max_batches = self.max_batches, self._batches + MAX_ANCHOR_BATCHES
+            try:
+                self._run(math.inf, until_first=sid)
+            finally:
+                self.max_batches = limit
+            t = self._firsts.get(sid)
+            if t is None:
+                return False
+        was, self.lag = self.lag, at - t
+        # A batch the view started later than the engine, on the new clock, can
+        # have started by now: one batch too many.
+        upto = (at if now is None else max(at, now - self.captured)) - self.lag
+        self.overran = self.lag > was and self._last_start > upto
+        return True
+
+    def _sid(self, rid: str) -> str:
+        """``rid`` as the virtual engine names it (a snapshot's id may embed it)."""
+        core = self._core
+        if rid in core.requests or rid in self._firsts:
+            return rid
+        # The snapshot names it as the engine does (vLLM: ``chatcmpl-<id>``).
+        return next((s for s in core.requests if rid in s), rid)
 
     def _hold_pinned(self) -> None:
         # A pinned request about to reach its predicted length gets one more
@@ -215,7 +305,7 @@ class FastForward:
 
     def at(self, now: float) -> Snapshot:
         """The instance's state at ``now`` (call :meth:`advance` first) as a snapshot."""
-        to = now - self.captured
+        to = now - self.captured - self.lag
         remaining = self._t - to if (not self._idle and self._t > to) else 0.0
         snap = self.snapshot
         core = self._core
@@ -272,7 +362,7 @@ class FastForward:
 
     def elapsed(self, now: float) -> float:
         """Seconds of engine time simulated by ``now``."""
-        return max(0.0, min(self._t, now - self.captured))
+        return max(0.0, min(self._t, now - self.captured - self.lag))
 
     @staticmethod
     def worthwhile(age: float, threshold: float | None) -> bool:

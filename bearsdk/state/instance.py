@@ -81,6 +81,10 @@ class StalenessRules:
             much later), which is exact, and costs more the older the view.
         overlay_grace_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
         overlay_expire_s: See :class:`~bearsdk.state.overlay.DispatchOverlay`.
+        anchor: Anchor fast-forwarded views on the first tokens the router
+            sees (:meth:`InstanceState.on_tokens`): closer estimates, but off by
+            default, since an accurate view loses the margin a slow profile
+            gave and BEAR has no other yet (``docs/snapshots.md``).
     """
 
     overlay: bool = True
@@ -89,6 +93,7 @@ class StalenessRules:
     refresh_s: float = attrs.field(default=0.05, validator=_age)
     overlay_grace_s: float = attrs.field(default=0.05, validator=_age)
     overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
+    anchor: bool = False
 
     @classmethod
     def paper(cls) -> StalenessRules:
@@ -160,6 +165,10 @@ class InstanceState:
     )
     _ff: FastForward | None = attrs.field(init=False, default=None)
     _ff_version: int = attrs.field(init=False, default=-1)
+    # The latest first token the router saw here (request, engine-side time), and
+    # whether the fast-forward of the current snapshot has been anchored on it.
+    _first: tuple[str, float] | None = attrs.field(init=False, default=None)
+    _anchored: tuple[str, float] | None = attrs.field(init=False, default=None)
     _view_key: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
     _view_at: float = attrs.field(init=False, default=-math.inf)
     _view_until: float = attrs.field(init=False, default=0.0)  # reuse it up to this age
@@ -237,13 +246,25 @@ class InstanceState:
         else:
             self._overlay.add(Dispatch(rid, t, prompt_tokens, output_len, max_tokens, 0, keys))
 
-    def on_tokens(self, rid: str, output_tokens: int) -> None:
+    def on_tokens(self, rid: str, output_tokens: int, *, at: float | None = None) -> None:
         """The router has received ``output_tokens`` tokens of ``rid`` so far (1: first token).
 
         A dispatch the snapshot cannot show yet then counts as running, with its
         prompt computed, rather than as waiting.
+
+        Args:
+            rid: The request.
+            output_tokens: Tokens received so far.
+            at: With the first token: when the engine produced it, on the cache
+                clock (its arrival less the network and HTTP time). With
+                :attr:`StalenessRules.anchor`, a fast-forwarded view anchors its
+                clock there (:meth:`FastForward.first_token`).
         """
         self._overlay.progress(rid, output_tokens)
+        if output_tokens == 1 and at is not None and math.isfinite(at) and self.rules.anchor:
+            self._first = (rid, at)
+            if self._ff is not None and at >= self._ff.captured:
+                self._anchor(self._ff, self.cache.clock())
 
     def on_complete(
         self, rid: str, *, now: float | None = None, output_tokens: int | None = None
@@ -403,6 +424,30 @@ class InstanceState:
             )
         return self._set(Estimate(t, mode, age, pending, t > horizon_s), now)
 
+    def _anchor(self, ff: FastForward, now: float) -> bool:
+        """Anchor ``ff``'s clock on the latest first token (once per view).
+
+        A view that had run further than the engine is dropped: the next
+        estimate rebuilds it from the snapshot on the anchored clock.
+        """
+        assert self._first is not None
+        rid, at = self._first
+        self._anchored = self._first
+        if not ff.first_token(rid, at - ff.captured, now):
+            return False
+        self._view_key = None  # the kept view ran on the old clock
+        if ff.overran:
+            self._ff = self._rebuilt(ff)
+        return True
+
+    def _rebuilt(self, ff: FastForward) -> FastForward:
+        """``ff`` simulated again from its snapshot on its anchored clock."""
+        new = FastForward(ff.snapshot, self.estimator, ff.captured, lag=ff.lag)
+        for rid, t in self._completed:
+            if t >= ff.captured:
+                new.complete(rid)
+        return new
+
     def _idle(self, entry: CachedSnapshot) -> bool:
         """The snapshot shows an idle engine and nothing was sent since: an idle
         engine publishes nothing, so its last snapshot stays exact however old."""
@@ -495,11 +540,21 @@ class InstanceState:
             if self._ff is None or self._ff_version != entry.version:
                 self._ff = FastForward(entry.snapshot, self.estimator, entry.captured)
                 self._ff_version = entry.version
+                self._anchored = None
                 for rid, t in self._completed:
                     if t >= entry.captured:
                         self._ff.complete(rid)
             self._ff.advance(now, pending)
-            snap = self._ff.at(now)
+            first = self._first
+            if (
+                first is not None
+                and first != self._anchored
+                and first[1] >= self._ff.captured
+                and self._anchor(self._ff, now)
+            ):
+                self._ff.advance(now, pending)
+            ff = self._ff
+            snap = ff.at(now)
             self._view = self.estimator.prepare(snap)
         except (ValueError, RecursionError) as exc:
             # A state the scheduler twin rejects: estimate from the snapshot as it is.
