@@ -58,9 +58,10 @@ from bearsdk.state.overlay import Dispatch
 
 __all__ = ["MAX_ANCHOR_BATCHES", "FastForward"]
 
-MAX_ANCHOR_BATCHES = 4096
+MAX_ANCHOR_BATCHES = 1024
 """The most batches :meth:`FastForward.first_token` runs on to meet a first
-token the virtual engine has not produced yet."""
+token the virtual engine has not produced yet (tens of milliseconds of Python
+at most: an anchor the view cannot reach is not worth a stall)."""
 
 
 def _table(doc: dict[str, Any]) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
