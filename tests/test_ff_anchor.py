@@ -131,6 +131,21 @@ def test_a_snapshot_request_anchors_by_the_id_it_is_embedded_in() -> None:
     assert ff.lag > 0
 
 
+def test_a_token_the_view_cannot_reach_anchors_nothing_and_is_taken_back() -> None:
+    import bearsdk.state.fastforward as ffmod
+
+    ff = _ff()
+    ff.advance(T0 + 0.001, _sent())
+    was = ffmod.MAX_ANCHOR_BATCHES
+    ffmod.MAX_ANCHOR_BATCHES = 1  # bear-1's prompt needs two batches of 512 tokens
+    try:
+        assert not ff.first_token("bear-1", 0.002)
+    finally:
+        ffmod.MAX_ANCHOR_BATCHES = was
+    assert ff.lag == 0.0
+    assert ff.overran  # it ran on for nothing: the instance rebuilds it
+
+
 def test_what_the_view_cannot_place_anchors_nothing() -> None:
     ff = _ff()
     ff.advance(T0 + 0.05, _sent())

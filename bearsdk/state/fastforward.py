@@ -255,7 +255,7 @@ class FastForward:
         (the view is then rebuilt from the snapshot with the new lag, batches
         cannot be taken back). A request the view does not hold, or one it
         cannot bring to a first token within :data:`MAX_ANCHOR_BATCHES`,
-        anchors nothing.
+        anchors nothing (and in the second case leaves the view :attr:`overran`).
 
         Args:
             rid: The request (the router's id).
@@ -271,13 +271,17 @@ class FastForward:
         if t is None:
             if sid not in self._watch:
                 return False
-            limit, self.max_batches = self.max_batches, self._batches + MAX_ANCHOR_BATCHES
+            before = self._batches
+            limit, self.max_batches = self.max_batches, before + MAX_ANCHOR_BATCHES
             try:
                 self._run(math.inf, until_first=sid)
             finally:
                 self.max_batches = limit
             t = self._firsts.get(sid)
             if t is None:
+                # Run on for nothing: the view is now further on than anything
+                # the engine confirmed.
+                self.overran = self._batches > before
                 return False
         was, self.lag = self.lag, at - t
         # A batch the view started later than the engine, on the new clock, can

@@ -433,12 +433,12 @@ class InstanceState:
         assert self._first is not None
         rid, at = self._first
         self._anchored = self._first
-        if not ff.first_token(rid, at - ff.captured, now):
-            return False
-        self._view_key = None  # the kept view ran on the old clock
+        ok = ff.first_token(rid, at - ff.captured, now)
         if ff.overran:
             self._ff = self._rebuilt(ff)
-        return True
+        if ok or ff.overran:
+            self._view_key = None  # the kept view ran on another clock
+        return ok
 
     def _rebuilt(self, ff: FastForward) -> FastForward:
         """``ff`` simulated again from its snapshot on its anchored clock."""
