@@ -67,7 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--output-len", type=positive_int, help="new request's output length (default: predicted)"
     )
     p.add_argument(
-        "--batch-time", metavar="B0,B1,B2,B3", help="eq. 12 coefficients in seconds (single mode)"
+        "--batch-time",
+        metavar="B0,B1,B2,B3",
+        help="eq. 12 coefficients in seconds (single mode); a decode's context counts "
+        "its own key (decode_keys 'attended', docs/batch-time.md)",
     )
     p.add_argument(
         "--mean-output-len",

@@ -186,6 +186,14 @@ class RouterSection:
         ttft_target_ms: TTFT target of requests that carry none (0: the
             paper's rule by prompt length).
         max_timeout_s: Longest time a request may take, first byte to last.
+        tokenizers: Per model, its Hugging Face model directory (tokenizer and
+            chat template; the ``tokenizers`` extra): requests are tokenized as
+            the engines do, and BEA prices each instance's cached prefix
+            (``docs/prefix-caching.md``). Read at start.
+        dispatch_prefixes: Without tokenizers or KV events, estimate cached
+            prefixes from what was sent where (approximate). Read at start.
+        expect_arrivals: Fold the prompts still to come into TTFT estimates.
+            Read at start.
     """
 
     selector: str = "bear"
@@ -193,6 +201,13 @@ class RouterSection:
     retries: int = 2
     ttft_target_ms: float = 0.0
     max_timeout_s: float = 600.0
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    dispatch_prefixes: bool = False
+    expect_arrivals: bool = False
+
+    def at_start(self) -> tuple[object, ...]:
+        """What a reload cannot change (the router is built with it)."""
+        return (self.tokenizers, self.dispatch_prefixes, self.expect_arrivals)
 
 
 @attrs.frozen
@@ -310,6 +325,9 @@ def _router(raw: object) -> RouterSection:
         retries=t.integer("retries", 2, 0, 64),
         ttft_target_ms=t.number("ttft_target_ms", 0.0, 0.0, 3_600_000.0),
         max_timeout_s=t.number("max_timeout_s", 600.0, 0.01, 86_400.0),
+        tokenizers=_tokenizer_dirs(t.table("tokenizers")),
+        dispatch_prefixes=t.flag("dispatch_prefixes", False),
+        expect_arrivals=t.flag("expect_arrivals", False),
     )
     t.done()
     # Build it once now, so a bad parameter fails at load time, not at start.
@@ -320,6 +338,20 @@ def _router(raw: object) -> RouterSection:
     except SelectorError as exc:
         raise ConfigError(f"router: {exc}") from None
     return out
+
+
+def _tokenizer_dirs(raw: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``[router] tokenizers``: model -> an existing model directory or tokenizer.json."""
+    out = []
+    for model, path in raw.items():
+        if not isinstance(path, str) or not path:
+            raise ConfigError(
+                f"router: tokenizers.{model} must be a model directory (got {short(path)})"
+            )
+        if not Path(path).exists():
+            raise ConfigError(f"router: tokenizers.{model}: {path} does not exist")
+        out.append((str(model), path))
+    return tuple(sorted(out))
 
 
 def _admission(raw: object) -> AdmissionConfig:

@@ -79,7 +79,16 @@ def _router(cfg: GatewayConfig) -> AsyncRouter:
 
         cluster = Cluster.from_url(cfg.redis_url)
     selector = make_selector(cfg.router.selector, **dict(cfg.router.selector_params))
-    return AsyncRouter(list(cfg.instances), selector, retries=cfg.router.retries, cluster=cluster)
+    r = cfg.router
+    return AsyncRouter(
+        list(cfg.instances),
+        selector,
+        retries=r.retries,
+        cluster=cluster,
+        tokenizers=dict(r.tokenizers) or None,
+        dispatch_prefixes=r.dispatch_prefixes,
+        expect_arrivals=r.expect_arrivals,
+    )
 
 
 @attrs.define
@@ -186,6 +195,11 @@ async def run_gateway(
                     ]
                     if moved:
                         log.warning("reload: [server] %s take effect at restart", ", ".join(moved))
+                    if new.router.at_start() != cfg.router.at_start():
+                        log.warning(
+                            "reload: [router] tokenizers, dispatch_prefixes and "
+                            "expect_arrivals take effect at restart"
+                        )
                     try:
                         gw.reconfigure(new)
                     except ConfigError as exc:
