@@ -60,14 +60,7 @@ from bearsdk.sim.engine import (
     bind_engine,
 )
 
-__all__ = ["PAPER_POOL", "PREFIX_POLICIES", "PrefixRun", "run_prefix"]
-
-PAPER_POOL: Final = (
-    ("qwen3-0.6b-h100", "Qwen/Qwen3-0.6B"),
-    ("qwen3-8b-h100", "Qwen/Qwen3-8B"),
-    ("qwen3-32b-2xh100", "Qwen/Qwen3-32B"),
-)
-"""The paper's pool: (emulator profile, model)."""
+__all__ = ["PREFIX_POLICIES", "PrefixRun", "run_prefix"]
 
 PREFIX_POLICIES: Final = ("bear-cache", "bear", "llm-d-prefix", "dynamo-kv", "session-affinity")
 """The policies compared (module docstring)."""
@@ -193,7 +186,7 @@ def run_prefix(
     think_mean_s: float = 1.0,
     lam: float = 5e-4,
     seed: int = 0,
-    pool: Sequence[tuple[str, str]] = PAPER_POOL,
+    pool: Sequence[tuple[str, str]] | None = None,
     trace: str | None = None,
     max_output: int = 256,
     expect_arrivals: bool = True,
@@ -210,7 +203,8 @@ def run_prefix(
         think_mean_s: Mean think time after an answer (plus 0.2 s).
         lam: Cost weight of the utility.
         seed: Workload and engine seed (the same sessions for every policy).
-        pool: (emulator profile, model) per instance.
+        pool: (emulator profile, model) per instance (default: the paper's,
+            :data:`bearsdk.sim.PAPER_POOL`).
         trace: A Mooncake trace (JSONL) to replay instead of agent sessions:
             ``rate * duration_s`` of its requests, open-loop at ``rate``
             requests/s (:func:`mooncake_requests`), outputs cut to ``max_output``.
@@ -233,6 +227,10 @@ def run_prefix(
     from bearsdk.selectors import BEAR
     from bearsdk.sim.run import router_params
 
+    if pool is None:
+        from bearsdk.sim.config import PAPER_POOL
+
+        pool = [(spec.engine, spec.model) for spec in PAPER_POOL]
     rng = random.Random(seed)
     sys_ids = [_tokens(rng, rng.randint(1000, 4000)) for _ in range(systems)]
     weights = [1.0 / (k + 1) ** zipf for k in range(systems)]
