@@ -44,6 +44,7 @@ __all__ = [
     "mape",
     "prefill_attention_of",
     "read_batches",
+    "self_keys_of",
     "write_batches",
 ]
 
@@ -95,6 +96,11 @@ def _decode_keys(inst: object, att: attrs.Attribute[str], value: str) -> None:
         )
 
 
+def self_keys_of(decode_keys: str) -> int:
+    """Keys a decode adds to its own context in the ``b2`` term under ``decode_keys``."""
+    return 1 if decode_keys == "attended" else 0
+
+
 def prefill_attention_of(tokens: int, context: int) -> int:
     """Eq. 12's prefill-attention units of a chunk of ``tokens`` after ``context`` computed ones."""
     return tokens * context + tokens * (tokens + 1) // 2
@@ -133,7 +139,7 @@ class BatchTimeModel:
     @property
     def self_keys(self) -> int:
         """Keys a decode token adds to its own context in the ``b2`` term (1 or 0)."""
-        return 1 if self.decode_keys == "attended" else 0
+        return self_keys_of(self.decode_keys)
 
     @property
     def replay_coeffs(self) -> tuple[float, ...]:

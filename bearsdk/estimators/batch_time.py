@@ -46,6 +46,7 @@ from bearsdk.estimators.batch_model import (
     mape,
     prefill_attention_of,
     read_batches,
+    self_keys_of,
     write_batches,
 )
 from bearsdk.replay.types import BatchRecord
@@ -232,7 +233,7 @@ def fit_batch_time(
         raise BatchDataError("huber_delta", "must be a finite number > 0", huber_delta)
     if decode_keys not in DECODE_KEYS:
         raise BatchDataError("decode_keys", f"must be one of {DECODE_KEYS}", decode_keys)
-    self_keys = 1 if decode_keys == "attended" else 0
+    self_keys = self_keys_of(decode_keys)
 
     tau = 0.0
     if dense_floor is True:

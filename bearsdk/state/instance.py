@@ -34,6 +34,7 @@ import attrs
 from bearsdk.estimators.base import InstanceView, LatencyEstimator, RequestInfo
 from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
 from bearsdk.estimators.length import RememberedLengths
+from bearsdk.snapshot import Snapshot
 from bearsdk.state.cache import CachedSnapshot, SnapshotCache
 from bearsdk.state.fastforward import FastForward
 from bearsdk.state.overlay import Dispatch, DispatchOverlay
@@ -435,18 +436,19 @@ class InstanceState:
         self._anchored = self._first
         ok = ff.first_token(rid, at - ff.captured, now)
         if ff.overran:
-            self._ff = self._rebuilt(ff)
+            self._ff = self._fast_forward(ff.snapshot, ff.captured, ff.lag)
         if ok or ff.overran:
             self._view_key = None  # the kept view ran on another clock
         return ok
 
-    def _rebuilt(self, ff: FastForward) -> FastForward:
-        """``ff`` simulated again from its snapshot on its anchored clock."""
-        new = FastForward(ff.snapshot, self.estimator, ff.captured, lag=ff.lag)
+    def _fast_forward(self, snap: Snapshot, captured: float, lag: float = 0.0) -> FastForward:
+        """A view of ``snap`` (on a clock ``lag`` behind), without the requests
+        the router has seen complete since its capture."""
+        ff = FastForward(snap, self.estimator, captured, lag=lag)
         for rid, t in self._completed:
-            if t >= ff.captured:
-                new.complete(rid)
-        return new
+            if t >= captured:
+                ff.complete(rid)
+        return ff
 
     def _idle(self, entry: CachedSnapshot) -> bool:
         """The snapshot shows an idle engine and nothing was sent since: an idle
@@ -538,12 +540,9 @@ class InstanceState:
                 return view, dt
         try:
             if self._ff is None or self._ff_version != entry.version:
-                self._ff = FastForward(entry.snapshot, self.estimator, entry.captured)
+                self._ff = self._fast_forward(entry.snapshot, entry.captured)
                 self._ff_version = entry.version
                 self._anchored = None
-                for rid, t in self._completed:
-                    if t >= entry.captured:
-                        self._ff.complete(rid)
             self._ff.advance(now, pending)
             first = self._first
             if (
