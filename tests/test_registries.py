@@ -111,7 +111,9 @@ def test_a_taken_or_unknown_name_is_a_clear_error() -> None:
 
 
 def test_a_registered_estimator_prices_every_candidate(plugins: None) -> None:
-    core = RouterCore(_pool(), BEAR(latency="queue-times"), predictor=Predictor.load_default())
+    # (price_all: by default a better utility on time leaves the rest unpriced.)
+    sel = BEAR(latency="queue-times", price_all=True)
+    core = RouterCore(_pool(), sel, predictor=Predictor.load_default())
     d = core.decide("hello", ttft_target=0.2)
     assert {c.estimator for c in d.candidates} == {"queue-times"}
     assert all(c.ttft_s == pytest.approx(PER_WAITING_S) for c in d.candidates)

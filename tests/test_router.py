@@ -57,7 +57,9 @@ async def settle(router: AsyncRouter) -> None:
 
 
 async def test_decision_records_every_candidate() -> None:
-    async with engines() as pool, AsyncRouter(configs(pool), BEAR()) as router:
+    # (Priced every one: by default those a better utility rules out are left
+    # unpriced, tests/test_best_first.py.)
+    async with engines() as pool, AsyncRouter(configs(pool), BEAR(price_all=True)) as router:
         await settle(router)
         d = await router.route(MSG, ttft_target=0.5)
         assert [c.instance for c in d.candidates] == router.instances

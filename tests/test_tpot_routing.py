@@ -77,7 +77,8 @@ def _configs(pool: EnginePool) -> list[InstanceConfig]:
 async def test_a_tpot_target_has_bea_follow_the_first_tokens_at_every_instance() -> None:
     async with (
         EnginePool.of("qwen3-0.6b-h100", "qwen3-8b-h100") as pool,
-        AsyncRouter(_configs(pool), BEAR()) as router,
+        # (price_all: by default the 8B on time would leave the 0.6B unpriced.)
+        AsyncRouter(_configs(pool), BEAR(price_all=True)) as router,
     ):
         with anyio.fail_after(5):
             for n in router.instances:
@@ -320,7 +321,7 @@ def test_expected_arrivals_lengthen_the_ttft_by_at_most_one_batch() -> None:
     def core(arrivals: bool) -> RouterCore:
         return RouterCore(
             _configs(2),
-            BEAR(),
+            BEAR(price_all=True),  # every candidate's arrivals
             predictor=Predictor.load_default(),
             clock=lambda: 10.0,
             expect_arrivals=arrivals,

@@ -40,7 +40,8 @@ async def test_a_pool_of_unknown_models_routes_on_latency_with_the_prior(tmp_pat
     trained = Predictor.load_default().predict(PROMPT, quantiles=False)
     async with (
         EnginePool.of("qwen3-32b-2xh100", "qwen3-0.6b-h100") as pool,
-        AsyncRouter(_pool_file(tmp_path, pool), BEAR()) as router,
+        # (price_all: the test compares both instances' estimates.)
+        AsyncRouter(_pool_file(tmp_path, pool), BEAR(price_all=True)) as router,
     ):
         with anyio.fail_after(20):
             for name in router.instances:

@@ -211,29 +211,20 @@ class _BEA:
         # The router's statistics only matter to the fallback estimator:
         # summarise them only when the snapshot cannot be replayed.
         view = self._view(now) if self._cache.age(now) > self._after else None
-        e = self._state.ttft(
+        t, mode, age, _, bound, tpot, itl, itl_base = self._state.estimate_fields(
             prompt_tokens,
             output_tokens,
             max_tokens,
-            now=now,
-            view=view,
-            horizon_s=horizon_s,
-            next_tokens=next_tokens,
-            residents=residents,
-            prefix_keys=prefix_keys,
+            now,
+            view,
+            horizon_s,
+            next_tokens,
+            residents,
+            prefix_keys,
         )
-        if e.mode == "fallback":
-            return Latency(e.ttft_s, "lps", e.age_s)
-        return Latency(
-            e.ttft_s,
-            e.mode,
-            e.age_s,
-            True,
-            e.lower_bound,
-            e.tpot_s,
-            e.resident_itl_s,
-            e.resident_itl_base_s,
-        )
+        if mode == "fallback":
+            return Latency(t, "lps", age)
+        return Latency(t, mode, age, True, bound, tpot, itl, itl_base)
 
 
 class _NoLatency:

@@ -55,7 +55,7 @@ from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
-from bearsdk.router.decision import Candidate, Decision
+from bearsdk.router.decision import Decision
 from bearsdk.router.errors import (
     NoInstanceError,
     RequestError,
@@ -67,7 +67,7 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
-from bearsdk.router.pricing import Row, price
+from bearsdk.router.pricing import Row, candidates, price, price_best_first, reprice_lowest
 from bearsdk.router.prompts import PromptEncoders
 from bearsdk.router.slot import (
     OVERHEAD_MAX_S,
@@ -79,7 +79,7 @@ from bearsdk.router.slot import (
 from bearsdk.router.sources import get_snapshot_source
 from bearsdk.router.targets import PaperTargets, TargetRule
 from bearsdk.schedulers import bind_scheduler
-from bearsdk.selectors import BEAR, Selection, Selector
+from bearsdk.selectors import BEAR, Option, Selection, Selector
 from bearsdk.state import CachedSnapshot, InstanceState, ShadowView, SnapshotCache, StalenessRules
 from bearsdk.state.speed import SpeedEstimate, SpeedTracker, interval_evidence
 
@@ -452,30 +452,51 @@ class RouterCore:
         )
         priced: dict[str, list[int]] = {}
 
-        def choose(h: float) -> tuple[list[Row], Selection]:
-            rows = price(self, slots, pred, max_tokens, now, h, follow, ids, (text, approx), priced)
+        def select(options: list[Option]) -> Selection:
             if want is None:
-                return rows, sel_.select([c[0] for c in rows], target)
+                return sel_.select(options, target)
             # (The protocol's optional TPOT form; see Selector.)
             tpot_aware: Any = sel_
-            return rows, tpot_aware.select([c[0] for c in rows], target, tpot_target_s=tpot_s)
+            got: Selection = tpot_aware.select(options, target, tpot_target_s=tpot_s)
+            return got
 
-        cands, sel = choose(horizon)
+        # One seeded draw per decision, before pricing: a decision that may
+        # explore prices every instance (exploring needs their estimates).
+        explore = self._explorer is not None and self._explorer.draw()
+        best_first = not explore and len(slots) > 1 and getattr(sel_, "prunes_by_utility", False)
+
+        def choose(h: float, best_first: bool) -> tuple[list[Row], Selection]:
+            if best_first:
+                at = (max_tokens, now, h, follow, ids, (text, approx), priced)
+                return price_best_first(self, slots, pred, select, target, *at)
+            rows = price(self, slots, pred, max_tokens, now, h, follow, ids, (text, approx), priced)
+            return rows, select([c[0] for c in rows])
+
+        rows, sel = choose(horizon, best_first)
         if (
             horizon != math.inf
             and sel.feasible is not None
             and not any(sel.feasible)
-            and cands[sel.index][7]
+            and rows[sel.index][7]
         ):
             # Nothing is on time and every estimate stopped at the horizon: the
             # fallback compared lower bounds, which say nothing about which instance
-            # is least late. Look further (in overload only, so bounded cost).
-            cands, sel = choose(horizon * _FALLBACK_REACH)
+            # is least late. Look further (in overload only, so bounded cost). No
+            # instance becomes on time further out.
+            far = horizon * _FALLBACK_REACH
+            if best_first and (want is None or tpot_s == math.inf):
+                # (Its fallback is the lowest TTFT: only bounds that could be it.)
+                at = (far, ids, (text, approx), priced)
+                rows = reprice_lowest(self, slots, rows, pred, max_tokens, now, *at)
+                sel = select([c[0] for c in rows])
+            else:
+                rows, sel = choose(far, False)
         index, reason = sel.index, sel.reason
-        if self._explorer is not None and self._explorer.draw():
+        if explore:
+            assert self._explorer is not None
             got = self._explorer.pick(
                 index,
-                [c[0].ttft_s if c[1] != "lps" else math.nan for c in cands],
+                [c[0].ttft_s if c[1] != "lps" else math.nan for c in rows],
                 [math.nan if s.speed is None else s.speed.last_evidence_at for s in slots],
                 target,
                 now,
@@ -485,52 +506,13 @@ class RouterCore:
         chosen = slots[index]
         if chosen.dispatches is not None and approx is not None:
             chosen.dispatches.record(approx)
-        candidates = tuple(
-            Candidate(
-                instance=o.instance,
-                model=o.model,
-                accuracy=o.accuracy,
-                cost=o.cost,
-                utility=o.utility,
-                ttft_s=o.ttft_s,
-                feasible=None if sel.feasible is None else sel.feasible[i],
-                score=sel.scores[i],
-                estimator=est,
-                snapshot_age_s=age,
-                queue=o.queue,
-                prompt_tokens=ptok,
-                output_tokens=out,
-                speed_factor=speed,
-                overhead_s=overhead,
-                ttft_lower_bound=bound,
-                cached_tokens=cached,
-                cache_source=source,
-                arrivals_s=arrivals,
-                tpot_s=o.tpot_s,
-                resident_itl_s=o.resident_itl_s,
-                resident_itl_base_s=o.resident_itl_base_s,
-                resident_tpot_target_s=o.resident_tpot_target_s,
-            )
-            for i, (
-                o,
-                est,
-                age,
-                ptok,
-                out,
-                speed,
-                overhead,
-                bound,
-                cached,
-                source,
-                arrivals,
-            ) in enumerate(cands)
-        )
+        recorded = candidates(rows, sel)
         j = chosen.model_index
         d = Decision(
             request_id=request_id or self.next_id(),
             selector=sel_.name,
             instance=chosen.name,
-            candidates=candidates,
+            candidates=recorded,
             index=index,
             ttft_target_s=target,
             reason=reason,

@@ -28,8 +28,11 @@ class Candidate:
             snapshot added), ``fast-forward`` (BEA from the snapshot advanced to
             now), ``bound`` (known to be past the selector's horizon from the
             prefill queued ahead alone, nothing replayed), ``lps`` (the
-            queueing fallback: no fresh snapshot), a baseline's estimator
-            name, or ``none``.
+            queueing fallback: no fresh snapshot), ``unpriced`` (not
+            estimated: an instance of higher utility was on time, so this one
+            could not be chosen; ``ttft_s`` is ``nan``, ``feasible`` ``None``;
+            ``BEAR(price_all=True)`` estimates every instance), a baseline's
+            estimator name, or ``none``.
         snapshot_age_s: Age of the snapshot behind the estimate (``inf``: none).
         queue: Requests the router counted as resident there.
         prompt_tokens: The prompt's tokens for this instance's model.
@@ -169,9 +172,11 @@ class Decision:
                     f" residents {c.resident_itl_base_s * 1e3:.2f}->"
                     f"{c.resident_itl_s * 1e3:.2f} ms/token"
                 )
+            ttft = f"{ge}{c.ttft_s * 1e3:8.1f} ms"
+            if c.estimator == "unpriced":
+                ttft, extra = f"{'-':>10} ms", " (a better utility is on time)"
             lines.append(
                 f" {mark} {c.instance:<16} acc {c.accuracy:.3f} cost {c.cost:9.1f} "
-                f"u {c.utility:+.3f} ttft {ge}{c.ttft_s * 1e3:8.1f} ms{tpot}{feas} "
-                f"[{c.estimator}]{extra}"
+                f"u {c.utility:+.3f} ttft {ttft}{tpot}{feas} [{c.estimator}]{extra}"
             )
         return "\n".join(lines)

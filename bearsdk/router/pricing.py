@@ -11,18 +11,32 @@ hands the rows to the selector.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
+
+import attrs
 
 from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
+from bearsdk.router.decision import Candidate
 from bearsdk.router.slot import InstanceSlot, block_size, cached_tokens, first_token_overhead
-from bearsdk.selectors import Option
+from bearsdk.selectors import Option, Selection
 
 if TYPE_CHECKING:
     from bearsdk.router.core import RouterCore
 
-__all__ = ["MICRO", "Row", "price", "tpot_with_arrivals", "ttft_arrivals"]
+__all__ = [
+    "MICRO",
+    "UNPRICED",
+    "Row",
+    "candidates",
+    "price",
+    "price_best_first",
+    "reprice_lowest",
+    "tpot_with_arrivals",
+    "ttft_arrivals",
+]
 
 MICRO: Final = 1e6
 """Cost unit: micro-dollars (price per million tokens x tokens)."""
@@ -30,6 +44,8 @@ MIN_HORIZON_S: Final = 1e-9
 """The shortest horizon a replay is asked for: past it, the first batch is a lower bound."""
 MAX_PREFILL_SHARE: Final = 0.9
 """The most of an instance's time the prompts still to come are taken to fill."""
+UNPRICED: Final = "unpriced"
+"""The estimator of a candidate left unpriced: one of higher utility was on time."""
 Row = tuple[Option, str, float, int, int, float, float, bool, int, str, float]
 """A candidate as priced: option, estimator, snapshot age, prompt and output
 tokens, speed factor, overhead, lower bound, cached tokens and their source,
@@ -94,17 +110,42 @@ def price(
         approx: The prompt's text and character-block chain (``dispatch_prefixes``).
         priced: Filled with the keys each instance was priced with.
     """
+    at = (max_tokens, now, horizon, next_tokens, ids, approx, priced)
+    return _price(core, slots, _columns(pred), *at)
+
+
+_Columns = tuple[list[float], list[float], list[float], list[float]]
+
+
+def _columns(pred: PoolPrediction) -> _Columns:
+    """Accuracy, output tokens, prompt tokens and cost per model, as plain lists:
+    indexing numpy arrays element by element costs more."""
+    return (
+        pred.accuracy.tolist(),
+        pred.output_tokens.tolist(),
+        pred.prompt_tokens.tolist(),
+        pred.cost_usd.tolist(),
+    )
+
+
+def _price(
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    cols: _Columns,
+    max_tokens: int | None,
+    now: float,
+    horizon: float,
+    next_tokens: int,
+    ids: PromptIds | dict[str, PromptIds] | None,
+    approx: tuple[str, list[int] | None],
+    priced: dict[str, list[int]] | None,
+) -> list[Row]:
     lam = core.selector.lam
     kind = core.selector.latency
     weigh = getattr(core.selector, "weighs_residents", None) if next_tokens else None
-    # The prompt's ids: the caller's for every instance, or each model's own
-    # (chains of block keys computed once per model and block size).
-    shared = ids if isinstance(ids, PromptIds) else None
-    by_model = ids if isinstance(ids, dict) else None
+    shared, by_model = _split_ids(ids)
     out_rows: list[Row] = []
-    # Plain lists: indexing numpy arrays element by element costs more.
-    accs, outs = pred.accuracy.tolist(), pred.output_tokens.tolist()
-    ptoks, costs = pred.prompt_tokens.tolist(), pred.cost_usd.tolist()
+    accs, outs, ptoks, costs = cols
     for s in slots:
         j = s.model_index
         acc = accs[j]
@@ -121,20 +162,7 @@ def price(
         # (Only a selector that weighs residents needs them: min() is O(requests there).)
         tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
         extra: dict[str, Any] = {}
-        cached, source = -1, ""
-        keys: list[int] = []
-        if p is not None:
-            bs = block_size(s)
-            keys = p.chain(bs)
-            cached, source = cached_tokens(s, keys, bs)
-        eptok = ptok
-        if cached < 0 and s.dispatches is not None and approx[1] is not None:
-            # Characters to tokens at this prompt's own ratio; the engine always
-            # computes the last token. The replay prices the rest of the prompt.
-            hit = s.dispatches.hit_blocks(approx[1]) * BLOCK_CHARS
-            cached = min(ptok - 1, hit * ptok // max(1, len(approx[0])))
-            source = "dispatches"
-            eptok = ptok - cached
+        keys, cached, source, eptok = _cached(s, p, ptok, approx)
         if p is not None and getattr(est, "prefix_aware", False):
             # With the instance's KV events: its snapshot names blocks by vLLM's
             # hashes, which the index maps the prompt's content keys to.
@@ -204,3 +232,274 @@ def price(
             )
         )
     return out_rows
+
+
+def _split_ids(
+    ids: PromptIds | dict[str, PromptIds] | None,
+) -> tuple[PromptIds | None, dict[str, PromptIds] | None]:
+    """The prompt's ids: the caller's for every instance, or each model's own
+    (chains of block keys computed once per model and block size)."""
+    return (ids if isinstance(ids, PromptIds) else None), (ids if isinstance(ids, dict) else None)
+
+
+def _cached(
+    s: InstanceSlot, p: PromptIds | None, ptok: int, approx: tuple[str, list[int] | None]
+) -> tuple[list[int], int, str, int]:
+    """The prompt's block keys at ``s``, the tokens ``s`` holds of it and where
+    that is known from, and the prompt tokens left to price."""
+    cached, source = -1, ""
+    keys: list[int] = []
+    if p is not None:
+        bs = block_size(s)
+        keys = p.chain(bs)
+        cached, source = cached_tokens(s, keys, bs)
+    eptok = ptok
+    if cached < 0 and s.dispatches is not None and approx[1] is not None:
+        # Characters to tokens at this prompt's own ratio; the engine always
+        # computes the last token. The replay prices the rest of the prompt.
+        hit = s.dispatches.hit_blocks(approx[1]) * BLOCK_CHARS
+        cached = min(ptok - 1, hit * ptok // max(1, len(approx[0])))
+        source = "dispatches"
+        eptok = ptok - cached
+    return keys, cached, source, eptok
+
+
+def unpriced(
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    cols: _Columns,
+    max_tokens: int | None,
+    now: float,
+    ids: PromptIds | dict[str, PromptIds] | None = None,
+    approx: tuple[str, list[int] | None] = ("", None),
+) -> list[Row]:
+    """Rows for ``slots`` without a latency estimate (``ttft_s = inf``: never on time).
+
+    What costs little is filled in as :func:`price` fills it: the utility, the
+    token counts, the snapshot's age, the speed factor and the prompt's tokens
+    each instance holds (an index lookup, no replay).
+    """
+    lam = core.selector.lam
+    shared, by_model = _split_ids(ids)
+    accs, outs, ptoks, costs = cols
+    rows: list[Row] = []
+    for s in slots:
+        j = s.model_index
+        acc = accs[j]
+        out = int(outs[j])
+        if max_tokens is not None:
+            out = min(out, max_tokens)
+        p = shared if by_model is None else by_model.get(s.config.model)
+        ptok = len(p) if p else max(1, int(ptoks[j]))
+        cost = costs[j] * MICRO
+        option = Option(
+            s.name, s.config.model, acc, cost, acc - lam * cost, math.inf, s.inflight, s.inflight
+        )
+        speed = 1.0 if s.speed is None else s.speed.factor
+        entry = s.cache.entry
+        age = math.inf if entry is None else entry.age(now)
+        _, cached, source, _ = _cached(s, p, ptok, approx)
+        rows.append((option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0))
+    return rows
+
+
+def price_best_first(
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    pred: PoolPrediction,
+    select: Callable[[list[Option]], Selection],
+    target: float,
+    max_tokens: int | None,
+    now: float,
+    horizon: float = math.inf,
+    next_tokens: int = 0,
+    ids: PromptIds | dict[str, PromptIds] | None = None,
+    approx: tuple[str, list[int] | None] = ("", None),
+    priced: dict[str, list[int]] | None = None,
+) -> tuple[list[Row], Selection]:
+    """Price ``slots`` a utility level at a time, best first, until one is on time.
+
+    For a selector that takes the best utility among the instances it deems on
+    time (``Selector.prunes_by_utility``: BEAR), an instance whose utility is
+    below that of one on time can never be chosen, so pricing it (a replay)
+    changes nothing. Instances of equal utility (the same model) are priced
+    together, so that ties still break on their TTFTs; whether a level has an
+    instance on time is asked of the selector with that level's options alone
+    (such a selector judges each option on its own, and none is on time past
+    the TTFT target ``target``). The rest are left
+    :func:`unpriced`; the selector's final answer sees them as never on time.
+    When no level has an instance on time, every instance is priced, as
+    :func:`price` would.
+
+    Args:
+        core: The router.
+        slots: The candidate instances.
+        pred: The request's predictions for every model.
+        select: The selector's answer for a list of options.
+        target: The request's TTFT target.
+        max_tokens: Its output cap.
+        now: Decision time.
+        horizon: How far past the target estimates must be exact.
+        next_tokens: Tokens past the first to follow (TPOT).
+        ids: The prompt's ids, shared or per model.
+        approx: The prompt's text and character-block chain.
+        priced: Filled with the keys each priced instance was priced with.
+
+    Returns:
+        The rows in ``slots``' order, and the selector's answer over all of them.
+    """
+    cols = _columns(pred)
+    lam = core.selector.lam
+    accs, _, _, costs = cols
+    at = (max_tokens, now, horizon, next_tokens, ids, approx, priced)
+    by_model: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        by_model.setdefault(s.model_index, []).append(i)
+    # The utility exactly as _price() computes it; models of equal utility
+    # share a level, so that their ties break on TTFT as without pruning.
+    by_level: dict[float, list[int]] = {}
+    for j, idx in by_model.items():
+        by_level.setdefault(accs[j] - lam * (costs[j] * MICRO), []).extend(idx)
+    if any(math.isnan(u) for u in by_level):
+        rows = _price(core, slots, cols, *at)
+        return rows, select([r[0] for r in rows])
+    levels = sorted(by_level, reverse=True)
+    got: list[Row | None] = [None] * len(slots)
+    for k, level in enumerate(levels):
+        idx = by_level[level]
+        level_rows = _price(core, [slots[i] for i in idx], cols, *at)
+        for i, row in zip(idx, level_rows, strict=True):
+            got[i] = row
+        # (On time needs the TTFT target met: a level without one needs no select.)
+        if k < len(levels) - 1 and any(r[0].ttft_s <= target for r in level_rows):
+            sel = select([r[0] for r in level_rows])
+            if sel.feasible is not None and any(sel.feasible):
+                rest = [i for i, r in enumerate(got) if r is None]
+                left = unpriced(core, [slots[i] for i in rest], cols, max_tokens, now, ids, approx)
+                for i, row in zip(rest, left, strict=True):
+                    got[i] = row
+                break
+    rows = [r for r in got if r is not None]
+    return rows, select([r[0] for r in rows])
+
+
+def reprice_lowest(
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    rows: list[Row],
+    pred: PoolPrediction,
+    max_tokens: int | None,
+    now: float,
+    horizon: float,
+    ids: PromptIds | dict[str, PromptIds] | None = None,
+    approx: tuple[str, list[int] | None] = ("", None),
+    priced: dict[str, list[int]] | None = None,
+) -> list[Row]:
+    """Price again, further out, only the lower bounds that could be the lowest TTFT.
+
+    For BEAR's fallback (no instance on time: the lowest TTFT). An exact
+    estimate stays what it was with a longer horizon, and an instance whose
+    lower bound exceeds an estimate already in hand cannot have the lowest
+    TTFT; so the bounds are priced again from the lowest up, until the next
+    one exceeds the lowest value so far. The instance with the lowest TTFT is
+    the one pricing every instance again would find (a tie included: only
+    bounds strictly above the lowest are left).
+
+    Args:
+        core: The router.
+        slots: The candidate instances.
+        rows: Their rows, every one priced (nothing was on time).
+        pred: The request's predictions for every model.
+        max_tokens: Its output cap.
+        now: Decision time.
+        horizon: The longer horizon.
+        ids: The prompt's ids, shared or per model.
+        approx: The prompt's text and character-block chain.
+        priced: Filled with the keys each instance was priced with.
+
+    Returns:
+        The rows, those priced again replaced.
+    """
+    cols = _columns(pred)
+    rows = list(rows)
+    best = min((r[0].ttft_s for r in rows if not r[7]), default=math.inf)
+    for lb, i in sorted((r[0].ttft_s, i) for i, r in enumerate(rows) if r[7]):
+        if lb > best:
+            break
+        at = (max_tokens, now, horizon, 0, ids, approx, priced)
+        (rows[i],) = _price(core, [slots[i]], cols, *at)
+        best = min(best, rows[i][0].ttft_s)
+    return rows
+
+
+# candidates() passes Candidate's fields by position (keywords cost twice as much
+# for a frozen class of 23 fields): the order it assumes, checked once.
+_CANDIDATE_FIELDS: Final = [
+    "instance",
+    "model",
+    "accuracy",
+    "cost",
+    "utility",
+    "ttft_s",
+    "feasible",
+    "score",
+    "estimator",
+    "snapshot_age_s",
+    "queue",
+    "prompt_tokens",
+    "output_tokens",
+    "speed_factor",
+    "overhead_s",
+    "ttft_lower_bound",
+    "tpot_s",
+    "resident_itl_s",
+    "resident_itl_base_s",
+    "resident_tpot_target_s",
+    "cached_tokens",
+    "cache_source",
+    "arrivals_s",
+]
+assert [f.name for f in attrs.fields(Candidate)] == _CANDIDATE_FIELDS, "Candidate's fields moved"
+
+
+def candidates(rows: list[Row], sel: Selection) -> tuple[Candidate, ...]:
+    """The decision's record of every row, with the selector's scores and verdicts.
+
+    An unpriced row has no estimate: ``ttft_s`` is ``nan`` and ``feasible``
+    ``None`` (the selector saw ``inf``, never on time).
+    """
+    feasible = sel.feasible
+    scores = sel.scores
+    out = []
+    for i, (o, est, age, ptok, out_tok, speed, overhead, bound, cached, source, arr) in enumerate(
+        rows
+    ):
+        skipped = est == UNPRICED
+        out.append(
+            Candidate(
+                o.instance,
+                o.model,
+                o.accuracy,
+                o.cost,
+                o.utility,
+                math.nan if skipped else o.ttft_s,
+                None if feasible is None or skipped else feasible[i],
+                scores[i],
+                est,
+                age,
+                o.queue,
+                ptok,
+                out_tok,
+                speed,
+                overhead,
+                bound,
+                o.tpot_s,
+                o.resident_itl_s,
+                o.resident_itl_base_s,
+                o.resident_tpot_target_s,
+                cached,
+                source,
+                arr,
+            )
+        )
+    return tuple(out)

@@ -152,6 +152,16 @@ class Selector(Protocol):
     with the tightest TPOT target of the requests the router sent there and
     that are still there: where it answers yes, the router fills the
     ``resident_*`` fields (a second replay, of the residents alone).
+
+    A selector whose choice is always the best utility among the options it
+    deems on time (BEAR) may define ``prunes_by_utility`` true: the router then
+    estimates the instances a utility level at a time, best first, and leaves
+    those below the first level with an option on time unpriced (their
+    ``ttft_s`` is ``inf`` to the selector; ``docs/decision-cost.md``). Such a
+    selector must judge each option on its own, never deem one on time whose
+    ``ttft_s`` exceeds the TTFT target, and, with no TPOT target, take the
+    lowest ``ttft_s`` when none is on time (the router then prices again, past
+    the horizon, only the lower bounds that could be the lowest).
     """
 
     @property

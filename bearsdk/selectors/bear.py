@@ -194,6 +194,11 @@ def _bear(
     )
 
 
+def _flag(inst: object, att: attrs.Attribute[bool], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(inst).__name__}.{att.name} must be true or false (got {value!r})")
+
+
 def _harm_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if value not in HARM_RULES:
         raise ValueError(
@@ -247,6 +252,9 @@ class BEAR(TieBreaking):
             ``"none"``: the residents are not weighed.
         max_slowdown: Also no instance where it would slow the residents'
             tokens by more than this fraction (``inf``: no bound).
+        price_all: Estimate every instance, also those that cannot be chosen
+            because one of higher utility is predicted on time (by default the
+            router leaves them unpriced: :attr:`prunes_by_utility`).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -254,8 +262,14 @@ class BEAR(TieBreaking):
     tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
     harm: str = attrs.field(default="targets", validator=_harm_rule, kw_only=True)
     max_slowdown: float = attrs.field(default=math.inf, validator=_slowdown, kw_only=True)
+    price_all: bool = attrs.field(default=False, validator=_flag, kw_only=True)
     name: str = "bear"
     latency: str = "bea"
+
+    @property
+    def prunes_by_utility(self) -> bool:
+        """The choice is the best utility among the options on time (see :class:`Selector`)."""
+        return not self.price_all
 
     def horizon(self, ttft_target_s: float) -> float:
         """How far past a request's target (seconds) its TTFT estimates must be exact."""
@@ -284,8 +298,14 @@ class PrefillTPS(TieBreaking):
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
+    price_all: bool = attrs.field(default=False, validator=_flag, kw_only=True)
     name: str = "prefill-tps"
     latency: str = "prefill-tps"
+
+    @property
+    def prunes_by_utility(self) -> bool:
+        """See :attr:`BEAR.prunes_by_utility`."""
+        return not self.price_all
 
     def horizon(self, ttft_target_s: float) -> float:
         """See :meth:`BEAR.horizon`."""

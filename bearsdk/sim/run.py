@@ -503,12 +503,16 @@ def staleness_label(policy: StalenessRules) -> str:
     return ",".join(f"{k}={v}" for k, v in diff.items())
 
 
-def _selector(s: Scenario) -> Any:
+def _selector(s: Scenario, diagnose: bool = False) -> Any:
     params = dict(s.policy.params)
     params["lam"] = s.lam
     if s.policy.name == "lagrangian" and s.delta is not None:
         params["delta"] = s.delta
-    return make_selector(s.policy.name, **params)
+    sel: Any = make_selector(s.policy.name, **params)
+    if diagnose and attrs.has(type(sel)) and "price_all" in attrs.fields_dict(type(sel)):
+        # The diagnosis scores every candidate's estimate: leave none unpriced.
+        sel = attrs.evolve(sel, price_all=True)
+    return sel
 
 
 def run_scenario(
@@ -617,7 +621,7 @@ def run_scenario(
         configs = [_instance_config(s, engine_flags[j]) for j, s in enumerate(instances)]
         router = RouterCore(
             configs,
-            _selector(scenario),
+            _selector(scenario, diag is not None),
             predictor=feed,
             staleness=scenario.router_staleness,
             clock=lambda: clock[0],

@@ -138,6 +138,11 @@ class Estimate:
     resident_itl_base_s: float = math.nan
 
 
+EstimateFields = tuple[float, str, float, int, bool, float, float, float]
+"""An :class:`Estimate`'s fields, in order."""
+NAN: Final = math.nan
+
+
 @attrs.define
 class InstanceState:
     """TTFT estimates for one instance from its snapshot cache.
@@ -355,6 +360,34 @@ class InstanceState:
         Returns:
             The estimate and how it was made.
         """
+        return Estimate(
+            *self.estimate_fields(
+                prompt_tokens,
+                output_len,
+                max_tokens,
+                now,
+                view,
+                horizon_s,
+                next_tokens,
+                residents,
+                prefix_keys,
+            )
+        )
+
+    def estimate_fields(
+        self,
+        prompt_tokens: int,
+        output_len: int | None,
+        max_tokens: int | None,
+        now: float | None,
+        view: InstanceView | None,
+        horizon_s: float,
+        next_tokens: int,
+        residents: bool,
+        prefix_keys: Sequence[int] | None,
+    ) -> EstimateFields:
+        """:meth:`ttft`, positional, as :class:`Estimate`'s fields in order: the
+        router's hot path, which has no use for the object."""
         now = self.cache.clock() if now is None else now
         entry = self.cache.entry
         age = math.inf if entry is None else entry.age(now)
@@ -364,10 +397,11 @@ class InstanceState:
             and not self._idle(entry)
         ):
             if self.fallback is None:
-                return self._set(Estimate(math.inf, "none", age), now)
+                return self._set((math.inf, "none", age, 0, False, NAN, NAN, NAN), now)
             v = view if view is not None else InstanceView(name=self.name, now=now)
             req = RequestInfo(prompt_tokens, output_len, max_tokens)
-            return self._set(Estimate(self.fallback.estimate_ttft(req, v), "fallback", age), now)
+            t = self.fallback.estimate_ttft(req, v)
+            return self._set((t, "fallback", age, 0, False, NAN, NAN, NAN), now)
         est = self.estimator
         if horizon_s != math.inf:
             base = entry.prepared
@@ -375,7 +409,7 @@ class InstanceState:
                 # The engine got through at most ``age`` seconds of that work since.
                 lb = est.bound(base, prompt_tokens) - min(age, 1e9)
                 if lb > horizon_s:
-                    return self._set(Estimate(lb, "bound", age, 0, True), now)
+                    return self._set((lb, "bound", age, 0, True, NAN, NAN, NAN), now)
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
         if next_tokens > 0:
             e = est.estimate(
@@ -401,8 +435,7 @@ class InstanceState:
                     # saw against the whole window's mean with the new request: a
                     # small underestimate of a small harm.)
                     itl_with, itl_base = e.window_s / last, t_ran / ran
-            got = Estimate(t, mode, age, pending, t > horizon_s, tpot, itl_with, itl_base)
-            return self._set(got, now)
+            return self._set((t, mode, age, pending, t > horizon_s, tpot, itl_with, itl_base), now)
         if output_len is None:
             t = est.estimate(
                 prep,
@@ -423,7 +456,7 @@ class InstanceState:
                 horizon_s=horizon_s,
                 arrival_s=elapsed,
             )
-        return self._set(Estimate(t, mode, age, pending, t > horizon_s), now)
+        return self._set((t, mode, age, pending, t > horizon_s, NAN, NAN, NAN), now)
 
     def _anchor(self, ff: FastForward, now: float) -> bool:
         """Anchor ``ff``'s clock on the latest first token (once per view).
@@ -460,9 +493,10 @@ class InstanceState:
             and not self._overlay.unseen(entry.captured)
         )
 
-    def _set(self, e: Estimate, now: float) -> Estimate:
+    def _set(self, e: EstimateFields, now: float) -> EstimateFields:
+        mode, age = e[1], e[2]
         was_fallback = self._mode in ("fallback", "none")
-        is_fallback = e.mode in ("fallback", "none")
+        is_fallback = mode in ("fallback", "none")
         if was_fallback != is_fallback and self._mode != "none":
             self._switches += 1
             log.info(
@@ -471,11 +505,11 @@ class InstanceState:
                 "snapshots stale or missing: using the fallback estimator"
                 if is_fallback
                 else "fresh snapshots again: replaying them",
-                e.age_s,
+                age,
             )
-        elif self._mode == "none" and is_fallback and e.mode == "fallback":
+        elif self._mode == "none" and is_fallback and mode == "fallback":
             log.info("%s: no snapshot yet: using the fallback estimator", self.name)
-        self._mode = e.mode
+        self._mode = mode
         return e
 
     def _prepared(
