@@ -15,7 +15,13 @@ import anyio
 import pytest
 
 from bearsdk.cli import demo, main
-from bearsdk.cli.demo import MAX_ARRIVAL_LAG_S, MAX_RERUNS, busy_cores, default_jobs, rerun_plan
+from bearsdk.cli.demo_jobs import (
+    MAX_ARRIVAL_LAG_S,
+    MAX_RERUNS,
+    busy_cores,
+    default_jobs,
+    rerun_plan,
+)
 from bearsdk.evaluation import RunSummary
 
 ROOT = Path(__file__).resolve().parents[1]

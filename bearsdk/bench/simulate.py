@@ -39,7 +39,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the benchmark; return its timings."""
     from bearsdk.sim.config import PAPER_POOL, POLICIES, SimConfig, SweepSpec, WorkloadSpec
-    from bearsdk.sim.run import ORACLE, ORACLE_LATENCY, PolicySpec
+    from bearsdk.sim.scenario import ORACLE, ORACLE_LATENCY, PolicySpec
     from bearsdk.sim.sweep import run_config
     from bearsdk.state import StalenessRules
 

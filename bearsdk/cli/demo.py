@@ -47,6 +47,14 @@ import anyio
 import attrs
 import numpy as np
 
+from bearsdk.cli import demo_report
+from bearsdk.cli.demo_jobs import (
+    MAX_ARRIVAL_LAG_S,
+    default_jobs,
+    measured_busy,
+    rerun_plan,
+    usable_cpus,
+)
 from bearsdk.evaluation import RunSummary, drive_workload, summarize
 from bearsdk.replay import IMPLEMENTATION
 
@@ -59,13 +67,8 @@ __all__ = [
     "ALPACA_INSTANCES",
     "DEMO_POLICIES",
     "DEMO_PROFILES",
-    "MAX_ARRIVAL_LAG_S",
-    "MAX_RERUNS",
     "WORKLOADS",
-    "busy_cores",
-    "default_jobs",
     "register",
-    "rerun_plan",
     "run_policy",
 ]
 
@@ -97,27 +100,6 @@ DEMO_POLICIES = (
 
 _TAIL_S = 1.3  # longer than the largest A.2 target (1.12 s): every first-token outcome is known
 _WARMUP_S = 0.3  # first snapshots reach the router
-
-MAX_ARRIVAL_LAG_S = 0.01
-"""A run whose requests were sent later than this (p99) is rerun, then marked
-unreliable. The engines share the router's event loop, so the loop's lag is
-also how far the emulated GPUs ran behind real time. A quiet machine's loop
-lags 1.5 ms at p99 (``bearsdk bench emulator``); under load, runs lagging
-10-15 ms already reordered the policies at 16 req/s (BEAR behind the
-latency-agnostic router), so the bound sits well below that and well above
-quiet noise, at 1/15 of the tightest A.2 TTFT target (150 ms)."""
-
-MAX_RERUNS = 2
-"""Reruns of a lagging run, each with half as many runs beside it; bounded so
-that a machine busy with other work ends the demo instead of looping."""
-
-_BUSY_SLACK = 0.25
-"""Cores busier than this still count as idle for ``--jobs``: the sample's own
-noise and the demo's parent process are about this much."""
-
-_LOAD_SAMPLE_S = 0.25
-"""How long ``/proc/stat`` is sampled to find the idle cores: the current load,
-where the 1-minute load average still remembers finished jobs."""
 
 
 @attrs.frozen
@@ -293,102 +275,6 @@ def _worker_init() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def busy_cores(before: str, after: str, cpus: Sequence[int]) -> float:
-    """How many of ``cpus`` were busy between two readings of ``/proc/stat``.
-
-    Args:
-        before: The file's text at the start of the sample.
-        after: Its text at the end.
-        cpus: The CPU numbers this process may run on.
-
-    Returns:
-        The busy time over the elapsed time, summed over ``cpus`` (0 to ``len(cpus)``);
-        a CPU missing from either reading counts as idle.
-    """
-
-    def per_cpu(text: str) -> dict[int, tuple[int, int]]:
-        out = {}
-        for line in text.splitlines():
-            name, *fields = line.split()
-            if not (name.startswith("cpu") and name[3:].isdigit() and len(fields) >= 4):
-                continue
-            ticks = [int(x) for x in fields[:8]]
-            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-            out[int(name[3:])] = (sum(ticks), idle)
-        return out
-
-    t0, t1 = per_cpu(before), per_cpu(after)
-    busy = 0.0
-    for c in cpus:
-        if c in t0 and c in t1:
-            total = t1[c][0] - t0[c][0]
-            idle = t1[c][1] - t0[c][1]
-            if total > 0:
-                busy += min(1.0, max(0.0, (total - idle) / total))
-    return busy
-
-
-def default_jobs(cpus: int, busy: float, runs: int) -> int:
-    """Concurrent runs for a machine with ``cpus`` usable cores, ``busy`` of them busy.
-
-    Each run needs a whole idle core: its engines emulate GPUs in real time.
-
-    Args:
-        cpus: Cores this process may use.
-        busy: Cores busy with other work (a load measurement).
-        runs: Runs to make.
-
-    Returns:
-        The idle cores (at least 1), and no more than ``runs``.
-    """
-    idle = math.floor(cpus - max(0.0, busy) + _BUSY_SLACK) if math.isfinite(busy) else 1
-    return max(1, min(idle, cpus, runs))
-
-
-def rerun_plan(lags: Sequence[float], workers: int, attempt: int) -> tuple[list[int], int]:
-    """Which runs to make again, and with how many at once.
-
-    Args:
-        lags: Each run's p99 arrival lag, seconds.
-        workers: Concurrent runs of the attempt that measured ``lags``.
-        attempt: That attempt's number (0: the first runs).
-
-    Returns:
-        The indices into ``lags`` of the runs that lagged more than
-        :data:`MAX_ARRIVAL_LAG_S`, and half as many workers (at least 1); no runs
-        once :data:`MAX_RERUNS` reruns were made.
-    """
-    if attempt >= MAX_RERUNS:
-        return [], 0
-    late = [i for i, lag in enumerate(lags) if not lag <= MAX_ARRIVAL_LAG_S]
-    if not late:
-        return [], 0
-    return late, max(1, min(len(late), workers // 2))
-
-
-def _measured_busy(cpus: Sequence[int]) -> float:
-    """Busy cores now: a short ``/proc/stat`` sample, else the 1-minute load average."""
-    try:
-        with open("/proc/stat") as f:
-            before = f.read()
-        time.sleep(_LOAD_SAMPLE_S)
-        with open("/proc/stat") as f:
-            after = f.read()
-        return busy_cores(before, after, cpus)
-    except (OSError, ValueError):
-        pass
-    try:
-        return min(float(len(cpus)), os.getloadavg()[0])
-    except OSError:
-        return 0.0
-
-
-def _usable_cpus() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def _execute(
     jobs: Sequence[tuple[int, _Job]], workers: int
 ) -> Generator[tuple[int, RunSummary], None, None]:
@@ -418,120 +304,11 @@ def _execute(
         yield from pool.imap_unordered(_run_indexed, jobs)
 
 
-def _short(instance: str) -> str:
-    return instance.split("-h100")[0].split("-2xh100")[0].removeprefix("qwen3-")
-
-
-def _predicts_ttft(policy: str) -> bool:
-    from bearsdk.selectors import make_selector
-
-    return make_selector(policy).latency in ("bea", "prefill-tps")
-
-
 _ORDER = (*DEMO_PROFILES, *(name for name, _, _ in ALPACA_INSTANCES))
 
 
-def _unreliable(s: RunSummary) -> bool:
-    return not s.arrival_lag_p99_s <= MAX_ARRIVAL_LAG_S
-
-
 def _table(summaries: Sequence[RunSummary], rates: Sequence[float]) -> str:
-    instances = sorted(
-        {k for s in summaries for k in s.composition if k},
-        key=lambda k: next((i for i, p in enumerate(_ORDER) if k.startswith(p)), 9),
-    )
-    head = f"  {'policy':17} {'OnTimeUtility':>13} {'SLO':>6} {'TTFT p50':>9} {'p99':>7}  "
-    head += " ".join(f"{_short(i):>6}" for i in instances) + "  failed  TTFT pred. error"
-    lines = []
-    for rate in rates:
-        rows = sorted((s for s in summaries if s.rate == rate), key=lambda s: -s.on_time_utility)
-        if not rows:
-            continue
-        lines.append(f"\narrival rate {rate:g} req/s ({rows[0].n} requests)")
-        lines.append(head)
-        best = rows[0].on_time_utility
-        for s in rows:
-            late = "!" if _unreliable(s) else " "
-            mark = late + ("*" if s.on_time_utility == best else " ")
-            comp = " ".join(f"{s.composition.get(i, 0.0):6.0%}" for i in instances)
-            # The chosen instance's predicted TTFT against the observed one (MAPE),
-            # for the policies that predict a TTFT in seconds (the baselines' latency
-            # scores are in their own units).
-            err = f"{s.ttft_mape:15.0%}" if _predicts_ttft(s.policy) else ""
-            lines.append(
-                f"{mark}{s.policy:17} {s.on_time_utility:13.3f} {s.attainment:6.0%} "
-                f"{s.ttft_p50_s * 1e3:7.0f}ms {s.ttft_p99_s * 1e3:5.0f}ms  {comp}  {s.failed:6}"
-                f"  {err}"
-            )
-    return "\n".join(lines)
-
-
-_COLORS = (
-    "#d62728",
-    "#ff7f0e",
-    "#1f77b4",
-    "#2ca02c",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-)
-
-
-def _svg(summaries: Sequence[RunSummary], path: Path) -> None:
-    """OnTimeUtility against arrival rate, one line per policy (plain SVG)."""
-    policies = list(dict.fromkeys(s.policy for s in summaries))
-    rates = sorted({s.rate for s in summaries})
-    w, h, left, right, top, bottom = 760, 440, 70, 190, 40, 60
-    ys = [s.on_time_utility for s in summaries]
-    y_lo, y_hi = min(0.0, min(ys)), max(ys) * 1.08 or 1.0
-    x_lo, x_hi = rates[0], rates[-1] if rates[-1] > rates[0] else rates[0] + 1
-
-    def px(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * (w - left - right)
-
-    def py(y: float) -> float:
-        return h - bottom - (y - y_lo) / (y_hi - y_lo) * (h - top - bottom)
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        'font-family="sans-serif" font-size="12">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{w / 2 - right / 2:.0f}" y="22" text-anchor="middle" font-size="15">'
-        "OnTimeUtility (eq. 6) by arrival rate</text>",
-    ]
-    for k in range(6):
-        y = y_lo + (y_hi - y_lo) * k / 5
-        out.append(
-            f'<line x1="{left}" x2="{w - right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
-            f'<text x="{left - 8}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>'
-        )
-    for r in rates:
-        out.append(f'<text x="{px(r):.1f}" y="{h - bottom + 18}" text-anchor="middle">{r:g}</text>')
-    out.append(
-        f'<text x="{(left + w - right) / 2:.0f}" y="{h - 18}" text-anchor="middle">'
-        "arrival rate (requests/s)</text>"
-    )
-    for i, pol in enumerate(policies):
-        color = _COLORS[i % len(_COLORS)]
-        pts = sorted((s.rate, s.on_time_utility) for s in summaries if s.policy == pol)
-        path_d = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        width = 3 if pol == "bear" else 1.5
-        out.append(
-            f'<polyline points="{path_d}" fill="none" stroke="{color}" stroke-width="{width}"/>'
-        )
-        for x, y in pts:
-            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>')
-        ly = top + 10 + i * 18
-        out.append(
-            f'<line x1="{w - right + 15}" x2="{w - right + 35}" y1="{ly}" y2="{ly}" '
-            f'stroke="{color}" stroke-width="{width}"/>'
-            f'<text x="{w - right + 40}" y="{ly + 4}">{pol}</text>'
-        )
-    out.append("</svg>")
-    path.write_text("\n".join(out) + "\n")
+    return demo_report.table(summaries, rates, _ORDER, MAX_ARRIVAL_LAG_S)
 
 
 _MAX_DURATION_S = 3600.0  # an hour of arrivals per run: far past any useful demo, bounded memory
@@ -634,8 +411,8 @@ def _run(args: argparse.Namespace) -> int:
         workers = min(args.jobs, len(jobs))
         chosen = ""
     else:
-        cpus = _usable_cpus()
-        busy = _measured_busy(cpus)
+        cpus = usable_cpus()
+        busy = measured_busy(cpus)
         workers = default_jobs(len(cpus), busy, len(jobs))
         chosen = f" ({len(cpus)} core(s), {busy:.1f} busy)"
     if args.workload == "alpaca-eval":
@@ -675,7 +452,7 @@ def _run(args: argparse.Namespace) -> int:
         raise
     summaries = [done[i] for i in sorted(done)]
     print(_table(summaries, args.rates))
-    lagged = [s for s in summaries if _unreliable(s)]
+    lagged = [s for s in summaries if demo_report.unreliable(s, MAX_ARRIVAL_LAG_S)]
     if lagged:
         worst = max(s.arrival_lag_p99_s for s in lagged)
         print(
@@ -686,7 +463,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.plot is not None:
         try:
-            _svg(summaries, args.plot)
+            demo_report.svg(summaries, args.plot)
         except OSError as exc:
             from bearsdk.cli import error_line
 

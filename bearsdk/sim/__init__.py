@@ -26,7 +26,8 @@ from bearsdk.sim.config import (
 from bearsdk.sim.engine import BatchNoise, EngineEvent, SimEngine, bind_engine
 from bearsdk.sim.inputs import SimInputError, build_requests, engine_output_lengths
 from bearsdk.sim.plots import PlotError, write_plots
-from bearsdk.sim.run import (
+from bearsdk.sim.run import run_scenario
+from bearsdk.sim.scenario import (
     ORACLE,
     ORACLE_LATENCY,
     InstanceSpec,
@@ -35,7 +36,6 @@ from bearsdk.sim.run import (
     RunResult,
     Scenario,
     arrival_times,
-    run_scenario,
 )
 from bearsdk.sim.sweep import Inputs, Progress, SimReport, prepare_inputs, run_config, summarize
 

@@ -58,7 +58,7 @@ class Held:
     """A request waiting in the admission queue.
 
     Attributes:
-        index: The request's row in the run's :class:`~bearsdk.sim.run.RequestSet`.
+        index: The request's row in the run's :class:`~bearsdk.sim.scenario.RequestSet`.
         arrival: When it arrived (its TTFT counts from here).
         target: Its TTFT target, seconds.
         deadline: When it expires: ``arrival + min(target, max_wait)``.

@@ -21,7 +21,7 @@ import numpy as np
 
 from bearsdk.estimators.batch_time import BatchTimeModel, fit_batch_time
 from bearsdk.sim.engine import BatchNoise, SimEngine, bind_engine
-from bearsdk.sim.run import InstanceSpec, RequestSet
+from bearsdk.sim.scenario import InstanceSpec, RequestSet
 
 __all__ = ["Calibration", "calibrate_pool"]
 

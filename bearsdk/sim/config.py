@@ -80,7 +80,7 @@ import attrs
 
 from bearsdk.errors import BearError
 from bearsdk.gateway.config import ADMISSION_MODES
-from bearsdk.sim.run import (
+from bearsdk.sim.scenario import (
     ORACLE,
     ORACLE_LATENCY,
     SPEED_MODES,

@@ -27,7 +27,7 @@ from bearsdk.emulator import get_profile
 from bearsdk.emulator.text import Tokenizer, classify_prompt, prompt_seed
 from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
-from bearsdk.sim.run import InstanceSpec, RequestSet
+from bearsdk.sim.scenario import InstanceSpec, RequestSet
 from bearsdk.workload import WorkItem
 
 __all__ = ["LENGTH_SOURCES", "SimInputError", "build_requests", "engine_output_lengths"]

@@ -30,7 +30,7 @@ import numpy as np
 
 from bearsdk.errors import BearError
 from bearsdk.sim.config import SimConfig
-from bearsdk.sim.run import ORACLE, ORACLE_LATENCY, RunResult
+from bearsdk.sim.scenario import ORACLE, ORACLE_LATENCY, RunResult
 
 __all__ = ["PlotError", "write_plots"]
 

@@ -225,7 +225,7 @@ def run_prefix(
     from bearsdk.router.core import RouterCore
     from bearsdk.router.targets import PaperTargets
     from bearsdk.selectors import BEAR
-    from bearsdk.sim.run import router_params
+    from bearsdk.sim.scenario import router_params
 
     if pool is None:
         from bearsdk.sim.config import PAPER_POOL

@@ -31,7 +31,8 @@ from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
 from bearsdk.sim.calibrate import Calibration, calibrate_pool
 from bearsdk.sim.config import BASELINES, SimConfig
-from bearsdk.sim.run import (
+from bearsdk.sim.run import run_scenario
+from bearsdk.sim.scenario import (
     ORACLE,
     ORACLE_LATENCY,
     InstanceSpec,
@@ -39,7 +40,6 @@ from bearsdk.sim.run import (
     RunResult,
     Scenario,
     arrival_times,
-    run_scenario,
 )
 from bearsdk.state import StalenessRules
 
