@@ -199,6 +199,29 @@ def test_the_second_look_prices_only_bounds_that_could_be_the_lowest() -> None:
     assert pruned.chosen.ttft_s < i0.ttft_s < f0.ttft_s
 
 
+def test_a_regime_where_best_first_saves_nothing_is_priced_at_once() -> None:
+    # Best first saves nothing where nothing is on time, or where only the least
+    # useful model is; after such a decision the next is priced at once, and
+    # best first resumes after one where it would have saved.
+    pred = _prediction([0.5, 0.8, 0.9], [0.0, 0.0, 0.0])
+    models, waiting = [0, 1, 2], [0, 40, 40]  # the 8B and 32B queues are deep
+    core, feed = _router(models, waiting, BEAR())
+    full, ffeed = _router(models, waiting, BEAR(price_all=True))
+    seen, chosen = [], []
+    for target in (5.0, 1e-4, 5.0, 0.05, 0.05, 5.0, 5.0):
+        d = _decide(core, feed, pred, ttft_target=target)
+        _check(d, _decide(full, ffeed, pred, ttft_target=target))
+        seen.append(sum(c.estimator == "unpriced" for c in d.candidates))
+        chosen.append((d.instance, d.chosen.feasible))
+    assert chosen[1][1] is False
+    assert chosen[3] == chosen[4] == ("i0", True)
+    # 5 s: the 32B on time, two unpriced; 0.1 ms: none on time; 5 s after it:
+    # priced at once (it would have saved, so the next goes best first); 50 ms:
+    # only the 0.6B on time, nothing to save (best first, then at once); 5 s:
+    # at once after that, then best first again.
+    assert seen == [2, 0, 0, 0, 0, 0, 2]
+
+
 def test_equal_utilities_across_models_share_a_level() -> None:
     # 8B and 32B tie on utility: both are priced, and the tie breaks on TTFT
     # (the idle 8B), not on which model came first.

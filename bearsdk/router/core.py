@@ -67,7 +67,14 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
-from bearsdk.router.pricing import Row, candidates, price, price_best_first, reprice_lowest
+from bearsdk.router.pricing import (
+    PruningMemo,
+    Row,
+    candidates,
+    price,
+    price_best_first,
+    reprice_lowest,
+)
 from bearsdk.router.prompts import PromptEncoders
 from bearsdk.router.slot import (
     OVERHEAD_MAX_S,
@@ -200,6 +207,7 @@ class RouterCore:
         self.clock = clock
         self.hooks = hooks if hooks is not None else RouterHooks()
         self._explorer = None if explore is None or speed is None else Explorer(explore)
+        self._pruning = PruningMemo()
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
         self.prompts = PromptEncoders.build(tokenizers)
@@ -463,7 +471,8 @@ class RouterCore:
         # One seeded draw per decision, before pricing: a decision that may
         # explore prices every instance (exploring needs their estimates).
         explore = self._explorer is not None and self._explorer.draw()
-        best_first = not explore and len(slots) > 1 and getattr(sel_, "prunes_by_utility", False)
+        prunes = not explore and len(slots) > 1 and getattr(sel_, "prunes_by_utility", False)
+        best_first = prunes and self._pruning.worth_it()
 
         def choose(h: float, best_first: bool) -> tuple[list[Row], Selection]:
             if best_first:
@@ -484,13 +493,15 @@ class RouterCore:
             # is least late. Look further (in overload only, so bounded cost). No
             # instance becomes on time further out.
             far = horizon * _FALLBACK_REACH
-            if best_first and (want is None or tpot_s == math.inf):
+            if prunes and (want is None or tpot_s == math.inf):
                 # (Its fallback is the lowest TTFT: only bounds that could be it.)
                 at = (far, ids, (text, approx), priced)
                 rows = reprice_lowest(self, slots, rows, pred, max_tokens, now, *at)
                 sel = select([c[0] for c in rows])
             else:
                 rows, sel = choose(far, False)
+        if prunes:
+            self._pruning.observe(rows, sel, best_first)
         index, reason = sel.index, sel.reason
         if explore:
             assert self._explorer is not None

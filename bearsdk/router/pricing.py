@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MICRO",
     "UNPRICED",
+    "PruningMemo",
     "Row",
     "candidates",
     "price",
@@ -430,6 +431,40 @@ def reprice_lowest(
         (rows[i],) = _price(core, [slots[i]], cols, *at)
         best = min(best, rows[i][0].ttft_s)
     return rows
+
+
+@attrs.define
+class PruningMemo:
+    """Whether pricing best first saved a replay in the router's last decision.
+
+    Best first saves only where an instance on time has a utility above the
+    lowest (the instances below its level are left unpriced). Where none is,
+    nothing is on time or only the least useful model is, every level is
+    priced anyway and the grouping is overhead; such a regime (an overload, a
+    pool whose better models are saturated) lasts, so after a decision that
+    saved nothing the next is priced at once, and after one priced at once, the
+    next goes best first again if it would have saved. The choice is the same
+    either way (:func:`price_best_first`); only the cost and which candidates
+    are left unpriced follow the memo.
+    """
+
+    _helps: bool = True
+
+    def worth_it(self) -> bool:
+        """Price the next decision best first."""
+        return self._helps
+
+    def observe(self, rows: list[Row], sel: Selection, best_first: bool) -> None:
+        """Learn from a decision's rows, priced best first or at once."""
+        if best_first:
+            self._helps = any(r[1] == UNPRICED for r in rows)
+            return
+        feasible = sel.feasible
+        if feasible is None:
+            self._helps = False
+            return
+        on_time = [r[0].utility for r, f in zip(rows, feasible, strict=True) if f]
+        self._helps = bool(on_time) and max(on_time) > min(r[0].utility for r in rows)
 
 
 # candidates() passes Candidate's fields by position (keywords cost twice as much
