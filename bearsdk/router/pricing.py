@@ -140,6 +140,7 @@ def _price(
     ids: PromptIds | dict[str, PromptIds] | None,
     approx: tuple[str, list[int] | None],
     priced: dict[str, list[int]] | None,
+    estimate: bool = True,
 ) -> list[Row]:
     lam = core.selector.lam
     kind = core.selector.latency
@@ -157,13 +158,22 @@ def _price(
         # The engines' own count when the prompt's ids are known.
         ptok = len(p) if p else max(1, int(ptoks[j]))
         cost = costs[j] * MICRO
+        keys, cached, source, eptok = _cached(s, p, ptok, approx)
+        if not estimate:
+            u = acc - lam * cost
+            option = Option(s.name, s.config.model, acc, cost, u, math.inf, s.inflight, s.inflight)
+            speed = 1.0 if s.speed is None else s.speed.factor
+            entry = s.cache.entry
+            age = math.inf if entry is None else entry.age(now)
+            row = (option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0)
+            out_rows.append(row)
+            continue
         est = s.estimators.get(kind)
         if est is None:
             est = core.estimator_for(s, kind)
         # (Only a selector that weighs residents needs them: min() is O(requests there).)
         tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
         extra: dict[str, Any] = {}
-        keys, cached, source, eptok = _cached(s, p, ptok, approx)
         if p is not None and getattr(est, "prefix_aware", False):
             # With the instance's KV events: its snapshot names blocks by vLLM's
             # hashes, which the index maps the prompt's content keys to.
@@ -280,28 +290,7 @@ def unpriced(
     token counts, the snapshot's age, the speed factor and the prompt's tokens
     each instance holds (an index lookup, no replay).
     """
-    lam = core.selector.lam
-    shared, by_model = _split_ids(ids)
-    accs, outs, ptoks, costs = cols
-    rows: list[Row] = []
-    for s in slots:
-        j = s.model_index
-        acc = accs[j]
-        out = int(outs[j])
-        if max_tokens is not None:
-            out = min(out, max_tokens)
-        p = shared if by_model is None else by_model.get(s.config.model)
-        ptok = len(p) if p else max(1, int(ptoks[j]))
-        cost = costs[j] * MICRO
-        option = Option(
-            s.name, s.config.model, acc, cost, acc - lam * cost, math.inf, s.inflight, s.inflight
-        )
-        speed = 1.0 if s.speed is None else s.speed.factor
-        entry = s.cache.entry
-        age = math.inf if entry is None else entry.age(now)
-        _, cached, source, _ = _cached(s, p, ptok, approx)
-        rows.append((option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0))
-    return rows
+    return _price(core, slots, cols, max_tokens, now, math.inf, 0, ids, approx, None, False)
 
 
 def price_best_first(
