@@ -25,7 +25,8 @@ name                                        type       what
 ``speed_factor``                            gauge      the instance's learned speed: real batch
                                                        time over its profile's (1: as profiled)
 ``ttft_overhead_seconds``                   gauge      first-token overhead added to its
-                                                       replayed TTFT
+                                                       replayed TTFT (as of the latest
+                                                       decision that priced it)
 ``ttft_seconds``                            histogram  observed time to first token
 ``ttft_error_seconds``                      histogram  observed minus predicted TTFT
 ``ttft_abs_relative_error``                 histogram  ``|observed - predicted| / observed``
@@ -170,7 +171,8 @@ class PrometheusMetrics:
             if math.isfinite(cand.snapshot_age_s):
                 self._child(self.snapshot_age, cand.instance).set(cand.snapshot_age_s)
             self._child(self.speed_factor, cand.instance).set(cand.speed_factor)
-            self._child(self.ttft_overhead, cand.instance).set(cand.overhead_s)
+            if cand.estimator != "unpriced":  # (no estimate, so no overhead added)
+                self._child(self.ttft_overhead, cand.instance).set(cand.overhead_s)
         if c.estimator == "lps":
             self._child(self.fallbacks, d.instance).inc()
         if d.explored:
