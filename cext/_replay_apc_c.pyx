@@ -1120,6 +1120,21 @@ cdef class Prepared:
         """Free blocks (cached ones included), as the engine counts them."""
         return self.n_free
 
+    def hit_blocks(self, keys):
+        """How many of a chain of content keys, from the start, the pool holds cached.
+
+        The twin of ``BlockPool.lookup`` on the prepared pool (no block limit):
+        what an admission at the snapshot would hit.
+        """
+        cdef list ks = _key_list(keys)
+        cdef Py_ssize_t i, n = len(ks)
+        cdef int64_t k
+        for i in range(n):
+            k = <int64_t>PyLong_AsUnsignedLongLongMask(ks[i])
+            if ht_get(self.ht, self.ht_mask, k) == NIL:
+                return i
+        return n
+
 
 cdef St _pool_state(Prepared pr):
     """A state that edits pr's pool in place (no copies: nothing is prepared yet)."""

@@ -227,3 +227,39 @@ def test_a_pool_built_in_code_is_checked_before_it_reaches_c_arrays() -> None:
     for field, (value, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             cr.prepare(row, -1, None, state(**{field: value}))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(POLICIES)),
+    arrivals=st.lists(ARRIVAL, max_size=12),
+    at=st.integers(0, 40),
+    news=st.lists(NEW, min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_both_twins_count_a_chains_hit_as_the_snapshot_lists_its_blocks(
+    name: str,
+    arrivals: list[tuple[int, int, int, int, int]],
+    at: int,
+    news: list[tuple[int, int, int, int]],
+    seed: int,
+) -> None:
+    # The hit a router shows per candidate (BEAEstimator.cached_blocks) comes
+    # from the prepared pool's content map: the snapshot's cached keys, from the
+    # start of the chain.
+    pol, rng, snap = _run_engine(name, arrivals, at, seed)
+    assert snap.kv is not None
+    pc = snap.prefix_cache
+    assert pc is not None
+    listed = set(pc.keys[: pc.cached])
+    preps = [
+        r.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=pc)
+        for r in (PyReplayer(pol), ApcReplayer(pol))
+    ]
+    for pfx, shared, plen, _out in news:
+        keys = chain_keys(tokens(rng, pfx, shared, plen), pol.block_size)
+        want = next((i for i, k in enumerate(keys) if k not in listed), len(keys))
+        assert [p.hit_blocks(keys) for p in preps] == [want, want]
+    for p in preps:
+        with pytest.raises(ValueError, match=r"prefix_keys\[1\] must be an integer"):
+            p.hit_blocks([1, -2])

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from bearsdk.errors import short_repr
-from bearsdk.replay.blocks import KEY_MASK
-from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry, Prepared
+from bearsdk.replay.requests import NEW_REQUEST_ID, CachedReq, PolicyGeometry, Prepared, content_key
 from bearsdk.replay.scheduler import SchedulerCore
 from bearsdk.replay.types import (
     MAX_REPLAY_WORK_PY,
@@ -41,12 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["IMPLEMENTATION", "Prepared", "Replayer"]
 
 IMPLEMENTATION = "python"
-
-
-def _content_key(k: object, i: int) -> int:
-    if type(k) is not int or not 0 <= k <= KEY_MASK:
-        raise ValueError(f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
-    return k
 
 
 class Replayer:
@@ -233,7 +225,7 @@ class Replayer:
                     NEW_REQUEST_ID, prompt_tokens, 0, max(output_len, 1), max_tokens, CachedReq
                 ),
             )
-            c.keys = [_content_key(k, i) for i, k in enumerate(prefix_keys or ())][
+            c.keys = [content_key(k, i) for i, k in enumerate(prefix_keys or ())][
                 : prompt_tokens // self._geo.block_size
             ]
             new = c

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.errors import short_repr
+from bearsdk.replay.blocks import KEY_MASK
 from bearsdk.replay.prefix import restore
 from bearsdk.replay.types import check_policy, check_running, check_table
 from bearsdk.snapshot import (
@@ -142,6 +144,13 @@ class CachedReq(Req):
 _CACHED_SLOTS: Final = Req.__slots__ + CachedReq.__slots__
 
 
+def content_key(k: object, i: int) -> int:
+    """``prefix_keys[i]``, checked: exactly an int in ``[0, 2**63)``."""
+    if type(k) is not int or not 0 <= k <= KEY_MASK:
+        raise ValueError(f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
+    return k
+
+
 class Prepared:
     """A snapshot's requests, ready to run (built once, replayed many times).
 
@@ -168,6 +177,15 @@ class Prepared:
 
     def __len__(self) -> int:
         return len(self.reqs)
+
+    def hit_blocks(self, keys: Sequence[int]) -> int:
+        """How many of a chain of content keys, from the start, the pool holds cached.
+
+        What an admission at the snapshot would hit (no block limit); ``0``
+        without a pool.
+        """
+        ks = [content_key(k, i) for i, k in enumerate(keys)]
+        return 0 if self.pool is None else len(self.pool.lookup(ks, len(ks)))
 
 
 class PolicyGeometry:
