@@ -68,6 +68,7 @@ from bearsdk.router.errors import (
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
 from bearsdk.router.pricing import (
+    Ask,
     PruningMemo,
     Row,
     candidates,
@@ -459,6 +460,9 @@ class RouterCore:
             text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
         )
         priced: dict[str, list[int]] = {}
+        ask = Ask.of(
+            pred, max_tokens, now, next_tokens=follow, ids=ids, approx=(text, approx), priced=priced
+        )
 
         def select(options: list[Option]) -> Selection:
             if want is None:
@@ -476,9 +480,8 @@ class RouterCore:
 
         def choose(h: float, best_first: bool) -> tuple[list[Row], Selection]:
             if best_first:
-                at = (max_tokens, now, h, follow, ids, (text, approx), priced)
-                return price_best_first(self, slots, pred, select, target, *at)
-            rows = price(self, slots, pred, max_tokens, now, h, follow, ids, (text, approx), priced)
+                return price_best_first(self, slots, ask, h, select, target)
+            rows = price(self, slots, ask, h)
             return rows, select([c[0] for c in rows])
 
         rows, sel = choose(horizon, best_first)
@@ -495,8 +498,7 @@ class RouterCore:
             far = horizon * _FALLBACK_REACH
             if prunes and (want is None or tpot_s == math.inf):
                 # (Its fallback is the lowest TTFT: only bounds that could be it.)
-                at = (far, ids, (text, approx), priced)
-                rows = reprice_lowest(self, slots, rows, pred, max_tokens, now, *at)
+                rows = reprice_lowest(self, slots, rows, ask, far)
                 sel = select([c[0] for c in rows])
             else:
                 rows, sel = choose(far, False)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MICRO",
     "UNPRICED",
+    "Ask",
     "PruningMemo",
     "Row",
     "candidates",
@@ -85,69 +86,82 @@ def ttft_arrivals(ttft_s: float, s: InstanceSlot, now: float) -> float:
     return min(rho * ttft_s, c[1] * s.scheduler.token_budget)
 
 
+_Columns = tuple[list[float], list[float], list[float], list[float]]
+
+
+@attrs.frozen(eq=False)
+class Ask:
+    """One request as every instance is priced for it (built once per decision).
+
+    Attributes:
+        cols: Accuracy, output tokens, prompt tokens and cost per model, as
+            plain lists (indexing numpy arrays element by element costs more).
+        max_tokens: Its output cap.
+        now: Decision time.
+        next_tokens: Tokens past the first to follow (TPOT).
+        ids: The prompt's ids, shared or per model.
+        approx: The prompt's text and character-block chain (``dispatch_prefixes``).
+        priced: Filled with the keys each instance was priced with.
+    """
+
+    cols: _Columns
+    max_tokens: int | None
+    now: float
+    next_tokens: int = 0
+    ids: PromptIds | dict[str, PromptIds] | None = None
+    approx: tuple[str, list[int] | None] = ("", None)
+    priced: dict[str, list[int]] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        pred: PoolPrediction,
+        max_tokens: int | None,
+        now: float,
+        next_tokens: int = 0,
+        ids: PromptIds | dict[str, PromptIds] | None = None,
+        approx: tuple[str, list[int] | None] = ("", None),
+        priced: dict[str, list[int]] | None = None,
+    ) -> Ask:
+        """The request with the predictions ``pred``."""
+        cols = (
+            pred.accuracy.tolist(),
+            pred.output_tokens.tolist(),
+            pred.prompt_tokens.tolist(),
+            pred.cost_usd.tolist(),
+        )
+        return cls(cols, max_tokens, now, next_tokens, ids, approx, priced)
+
+
 def price(
-    core: RouterCore,
-    slots: list[InstanceSlot],
-    pred: PoolPrediction,
-    max_tokens: int | None,
-    now: float,
-    horizon: float = math.inf,
-    next_tokens: int = 0,
-    ids: PromptIds | dict[str, PromptIds] | None = None,
-    approx: tuple[str, list[int] | None] = ("", None),
-    priced: dict[str, list[int]] | None = None,
+    core: RouterCore, slots: list[InstanceSlot], ask: Ask, horizon: float = math.inf
 ) -> list[Row]:
     """Price ``slots`` for one request: each instance's option and how it was estimated.
 
     Args:
         core: The router (its selector, estimators and settings).
         slots: The candidate instances.
-        pred: The request's predictions for every model.
-        max_tokens: Its output cap.
-        now: Decision time.
+        ask: The request.
         horizon: How far past the target estimates must be exact.
-        next_tokens: Tokens past the first to follow (TPOT).
-        ids: The prompt's ids, shared or per model.
-        approx: The prompt's text and character-block chain (``dispatch_prefixes``).
-        priced: Filled with the keys each instance was priced with.
     """
-    at = (max_tokens, now, horizon, next_tokens, ids, approx, priced)
-    return _price(core, slots, _columns(pred), *at)
-
-
-_Columns = tuple[list[float], list[float], list[float], list[float]]
-
-
-def _columns(pred: PoolPrediction) -> _Columns:
-    """Accuracy, output tokens, prompt tokens and cost per model, as plain lists:
-    indexing numpy arrays element by element costs more."""
-    return (
-        pred.accuracy.tolist(),
-        pred.output_tokens.tolist(),
-        pred.prompt_tokens.tolist(),
-        pred.cost_usd.tolist(),
-    )
+    return _price(core, slots, ask, horizon)
 
 
 def _price(
     core: RouterCore,
     slots: list[InstanceSlot],
-    cols: _Columns,
-    max_tokens: int | None,
-    now: float,
+    ask: Ask,
     horizon: float,
-    next_tokens: int,
-    ids: PromptIds | dict[str, PromptIds] | None,
-    approx: tuple[str, list[int] | None],
-    priced: dict[str, list[int]] | None,
     estimate: bool = True,
 ) -> list[Row]:
+    max_tokens, now, next_tokens = ask.max_tokens, ask.now, ask.next_tokens
+    ids, approx, priced = ask.ids, ask.approx, ask.priced
     lam = core.selector.lam
     kind = core.selector.latency
     weigh = getattr(core.selector, "weighs_residents", None) if next_tokens else None
     shared, by_model = _split_ids(ids)
     out_rows: list[Row] = []
-    accs, outs, ptoks, costs = cols
+    accs, outs, ptoks, costs = ask.cols
     for s in slots:
         j = s.model_index
         acc = accs[j]
@@ -275,37 +289,23 @@ def _cached(
     return keys, cached, source, eptok
 
 
-def unpriced(
-    core: RouterCore,
-    slots: list[InstanceSlot],
-    cols: _Columns,
-    max_tokens: int | None,
-    now: float,
-    ids: PromptIds | dict[str, PromptIds] | None = None,
-    approx: tuple[str, list[int] | None] = ("", None),
-) -> list[Row]:
+def unpriced(core: RouterCore, slots: list[InstanceSlot], ask: Ask) -> list[Row]:
     """Rows for ``slots`` without a latency estimate (``ttft_s = inf``: never on time).
 
     What costs little is filled in as :func:`price` fills it: the utility, the
     token counts, the snapshot's age, the speed factor and the prompt's tokens
     each instance holds (an index lookup, no replay).
     """
-    return _price(core, slots, cols, max_tokens, now, math.inf, 0, ids, approx, None, False)
+    return _price(core, slots, ask, math.inf, False)
 
 
 def price_best_first(
     core: RouterCore,
     slots: list[InstanceSlot],
-    pred: PoolPrediction,
+    ask: Ask,
+    horizon: float,
     select: Callable[[list[Option]], Selection],
     target: float,
-    max_tokens: int | None,
-    now: float,
-    horizon: float = math.inf,
-    next_tokens: int = 0,
-    ids: PromptIds | dict[str, PromptIds] | None = None,
-    approx: tuple[str, list[int] | None] = ("", None),
-    priced: dict[str, list[int]] | None = None,
 ) -> tuple[list[Row], Selection]:
     """Price ``slots`` a utility level at a time, best first, until one is on time.
 
@@ -324,24 +324,16 @@ def price_best_first(
     Args:
         core: The router.
         slots: The candidate instances.
-        pred: The request's predictions for every model.
+        ask: The request.
+        horizon: How far past the target estimates must be exact.
         select: The selector's answer for a list of options.
         target: The request's TTFT target.
-        max_tokens: Its output cap.
-        now: Decision time.
-        horizon: How far past the target estimates must be exact.
-        next_tokens: Tokens past the first to follow (TPOT).
-        ids: The prompt's ids, shared or per model.
-        approx: The prompt's text and character-block chain.
-        priced: Filled with the keys each priced instance was priced with.
 
     Returns:
         The rows in ``slots``' order, and the selector's answer over all of them.
     """
-    cols = _columns(pred)
     lam = core.selector.lam
-    accs, _, _, costs = cols
-    at = (max_tokens, now, horizon, next_tokens, ids, approx, priced)
+    accs, _, _, costs = ask.cols
     by_model: dict[int, list[int]] = {}
     for i, s in enumerate(slots):
         by_model.setdefault(s.model_index, []).append(i)
@@ -351,13 +343,13 @@ def price_best_first(
     for j, idx in by_model.items():
         by_level.setdefault(accs[j] - lam * (costs[j] * MICRO), []).extend(idx)
     if any(math.isnan(u) for u in by_level):
-        rows = _price(core, slots, cols, *at)
+        rows = _price(core, slots, ask, horizon)
         return rows, select([r[0] for r in rows])
     levels = sorted(by_level, reverse=True)
     got: list[Row | None] = [None] * len(slots)
     for k, level in enumerate(levels):
         idx = by_level[level]
-        level_rows = _price(core, [slots[i] for i in idx], cols, *at)
+        level_rows = _price(core, [slots[i] for i in idx], ask, horizon)
         for i, row in zip(idx, level_rows, strict=True):
             got[i] = row
         # (On time needs the TTFT target met: a level without one needs no select.)
@@ -365,7 +357,7 @@ def price_best_first(
             sel = select([r[0] for r in level_rows])
             if sel.feasible is not None and any(sel.feasible):
                 rest = [i for i, r in enumerate(got) if r is None]
-                left = unpriced(core, [slots[i] for i in rest], cols, max_tokens, now, ids, approx)
+                left = unpriced(core, [slots[i] for i in rest], ask)
                 for i, row in zip(rest, left, strict=True):
                     got[i] = row
                 break
@@ -374,16 +366,7 @@ def price_best_first(
 
 
 def reprice_lowest(
-    core: RouterCore,
-    slots: list[InstanceSlot],
-    rows: list[Row],
-    pred: PoolPrediction,
-    max_tokens: int | None,
-    now: float,
-    horizon: float,
-    ids: PromptIds | dict[str, PromptIds] | None = None,
-    approx: tuple[str, list[int] | None] = ("", None),
-    priced: dict[str, list[int]] | None = None,
+    core: RouterCore, slots: list[InstanceSlot], rows: list[Row], ask: Ask, horizon: float
 ) -> list[Row]:
     """Price again, further out, only the lower bounds that could be the lowest TTFT.
 
@@ -399,25 +382,20 @@ def reprice_lowest(
         core: The router.
         slots: The candidate instances.
         rows: Their rows, every one priced (nothing was on time).
-        pred: The request's predictions for every model.
-        max_tokens: Its output cap.
-        now: Decision time.
+        ask: The request (no tokens to follow: the fallback is on TTFT alone).
         horizon: The longer horizon.
-        ids: The prompt's ids, shared or per model.
-        approx: The prompt's text and character-block chain.
-        priced: Filled with the keys each instance was priced with.
 
     Returns:
         The rows, those priced again replaced.
     """
-    cols = _columns(pred)
     rows = list(rows)
+    if ask.next_tokens:
+        ask = attrs.evolve(ask, next_tokens=0)
     best = min((r[0].ttft_s for r in rows if not r[7]), default=math.inf)
     for lb, i in sorted((r[0].ttft_s, i) for i, r in enumerate(rows) if r[7]):
         if lb > best:
             break
-        at = (max_tokens, now, horizon, 0, ids, approx, priced)
-        (rows[i],) = _price(core, [slots[i]], cols, *at)
+        (rows[i],) = _price(core, [slots[i]], ask, horizon)
         best = min(best, rows[i][0].ttft_s)
     return rows
 
