@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bearsdk
@@ -84,6 +84,26 @@ class Engine:
     at=st.integers(0, 40),
     new=st.tuples(st.integers(1, 500), st.integers(1, 50)),
 )
+# A waiting request is admitted, preempted, and resumes on its own cached blocks.
+@example(
+    name="vllm-v1-sync",
+    arrivals=[
+        (0, 1, 1, 0),
+        (0, 1, 1, 0),
+        (0, 10, 19, 7),
+        (0, 4, 49, 0),
+        (0, 189, 38, 7),
+        (0, 279, 51, 0),
+        (0, 393, 48, 0),
+        (0, 334, 50, 7),
+        (0, 265, 45, 7),
+        (0, 255, 43, 7),
+        (0, 216, 35, 0),
+        (0, 268, 12, 0),
+    ],
+    at=5,
+    new=(36, 50),
+)
 def test_replay_of_exported_snapshot_predicts_the_core(
     name: str, arrivals: list[tuple[int, int, int, int]], at: int, new: tuple[int, int]
 ) -> None:
@@ -114,9 +134,10 @@ def test_replay_of_exported_snapshot_predicts_the_core(
             continue
         rp = compile_scheduler(pol, impl)
         assert snap.kv is not None
-        res = rp.replay(
-            rp.prepare(snap.table, snap.kv.free_blocks), new[0], new[1], max_tokens=new[1]
-        )
+        # With its prefix cache: the vllm-v1 engines run APC, and a preempted
+        # request re-hits its own cached blocks when it resumes.
+        prepared = rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        res = rp.replay(prepared, new[0], new[1], max_tokens=new[1])
         assert res.first_token_batch == eng.first_token["new"] - step0, impl
 
 
