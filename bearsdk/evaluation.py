@@ -189,7 +189,7 @@ async def drive_workload(
             model,
             s.ttft_s,
             it.ttft_target_s,
-            s.decision.chosen.ttft_s,
+            s.decision.chosen.ttft_estimate_s,
             float(it.accuracy.get(model, 0.0)),
             prompt * pin + output * pout,
             prompt,

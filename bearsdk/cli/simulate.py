@@ -76,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="override router.speed (learn each instance's speed from its snapshots, or not)",
     )
+    p.add_argument(
+        "--margin",
+        choices=("learned", "off"),
+        default=None,
+        help="override router.margin (widen TTFT estimates by each instance's first "
+        "tokens' spread, or not)",
+    )
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument(
         "--data-dir",
@@ -124,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, resident_lengths=args.resident_lengths)
     if args.speed is not None:
         cfg = attrs.evolve(cfg, speed=args.speed)
+    if args.margin is not None:
+        cfg = attrs.evolve(cfg, margin=args.margin)
     if args.data_dir:
         cfg = attrs.evolve(
             cfg, workload=attrs.evolve(cfg.workload, data_dir=str(Path(args.data_dir).resolve()))

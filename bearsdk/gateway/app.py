@@ -212,7 +212,7 @@ async def _serve(
             pair = gw.metrics.pair(model, d.chosen.model)
             pair.prediction_duration.observe(d.decide_s)
             if math.isfinite(d.chosen.ttft_s):
-                pair.predicted_ttft.observe(d.chosen.ttft_s)
+                pair.predicted_ttft.observe(d.chosen.ttft_estimate_s)
         send = gw.router.chat if req.kind == "chat" else gw.router.completions
         try:
             result = await send(

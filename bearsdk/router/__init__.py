@@ -4,6 +4,7 @@ from bearsdk.router.breaker import BreakerState, CircuitBreaker
 from bearsdk.router.config import SNAPSHOT_MODES, ConfigError, InstanceConfig, load_pool_config
 from bearsdk.router.decision import Candidate, Decision
 from bearsdk.router.explore import Exploration
+from bearsdk.router.margin import TtftMargin
 from bearsdk.router.observability import DecisionLog, PrometheusMetrics
 from bearsdk.router.router import (
     AsyncRouter,
@@ -39,5 +40,6 @@ __all__ = [
     "RequestError",
     "RouterHooks",
     "TargetRule",
+    "TtftMargin",
     "load_pool_config",
 ]

@@ -67,6 +67,7 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.hooks import RouterHooks
+from bearsdk.router.margin import DEFAULT_MARGIN, TtftMargin
 from bearsdk.router.pricing import (
     Ask,
     PruningMemo,
@@ -143,6 +144,9 @@ class RouterCore:
             and replay with its coefficients scaled by it (``None``: the
             coefficients as configured). A :class:`~bearsdk.state.speed.SpeedTracker`
             is copied for each instance (its ``base`` replaced by the instance's).
+        margin: Widen each instance's TTFT estimates by the upper quantile of
+            its recent first tokens' observed-over-predicted ratios
+            (:mod:`bearsdk.router.margin`; ``None``: the point estimates as they are).
         explore: Bounded exploration of instances without recent speed
             evidence (``None``: never; see :mod:`bearsdk.router.explore`).
         tokenizers: Per model (the pool's ``model`` names), its tokenizer: a
@@ -180,6 +184,7 @@ class RouterCore:
         resident_lengths: Literal["predicted", "calibrated"] = "predicted",
         breaker: CircuitBreaker | None = None,
         speed: SpeedTracker | None = DEFAULT_SPEED,
+        margin: TtftMargin | None = DEFAULT_MARGIN,
         explore: Exploration | None = DEFAULT_EXPLORATION,
         tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
         dispatch_prefixes: bool = False,
@@ -211,6 +216,7 @@ class RouterCore:
         self._pruning = PruningMemo()
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
+        self._margin = margin
         self.prompts = PromptEncoders.build(tokenizers)
         self.dispatch_prefixes = dispatch_prefixes
         self.expect_arrivals = expect_arrivals
@@ -273,6 +279,8 @@ class RouterCore:
                 else None
             ),
         )
+        if self._margin is not None:
+            slot.margin = self._margin.tracker()
         if self._speed is not None:
             slot.speed = attrs.evolve(self._speed, base=bt)
             cache.on_accept = functools.partial(self._snapshot_accepted, slot)
@@ -631,24 +639,27 @@ class RouterCore:
         if s.shadow is not None:
             s.shadow.on_tokens(d.request_id, 1)
         if s.name == d.instance:
-            pred = d.chosen.ttft_s
+            c = d.chosen
+            pred = c.ttft_estimate_s
             # A lower bound past the horizon says nothing about the model's error.
-            if math.isfinite(pred) and observed > 0 and not d.chosen.ttft_lower_bound:
+            if math.isfinite(pred) and observed > 0 and not c.ttft_lower_bound:
                 s.ttft_abs_err_sum += abs(pred - observed)
                 s.ttft_rel_err_sum += abs(pred - observed) / observed
                 s.ttft_err_n += 1
-                if d.chosen.estimator != "lps":
+                if c.estimator != "lps":
                     if now - s.overhead_at > OVERHEAD_MEMORY_S:
                         s.residuals.clear()
                         s.observed_ttfts.clear()
                     # The median of recent residuals: a mean would be dragged up by
                     # requests that reach the engine just after it formed the next
                     # batch (a whole batch late) and overpredict everything else.
-                    s.residuals.append(observed - (pred - d.chosen.overhead_s))
+                    s.residuals.append(observed - (pred - c.overhead_s))
                     s.observed_ttfts.append(observed)
                     bound = min(OVERHEAD_MAX_S, min(s.observed_ttfts))
                     s.overhead_s = min(max(statistics.median(s.residuals), 0.0), bound)
                     s.overhead_at = now
+                    if s.margin is not None:
+                        s.margin.observe(observed, pred, now)
         for hook in self.hooks.on_first_token:
             hook(d, s.name, observed)
 
@@ -741,6 +752,12 @@ class RouterCore:
         :data:`OVERHEAD_MEMORY_S` while no first token confirms it.
         """
         return first_token_overhead(self.slot(name), self.clock())
+
+    def margin(self, name: str) -> float:
+        """The factor ``name``'s replayed TTFTs are widened by now (1: none; see
+        :mod:`bearsdk.router.margin`)."""
+        m = self.slot(name).margin
+        return 1.0 if m is None else m.value(self.clock())
 
     def ttft_error(self, name: str) -> tuple[float, float, int]:
         """``(MAE seconds, MAPE, n)`` of the router's TTFT predictions at ``name`` so far."""

@@ -63,6 +63,9 @@ class Candidate:
             is discounted by it in the TTFT estimate), or ``""``.
         arrivals_s: What the prompts still to come were expected to add to the
             TTFT (``RouterCore(expect_arrivals=True)``; included in ``ttft_s``).
+        margin: The factor the instance's estimate was widened by (its recent
+            first tokens' spread, :mod:`bearsdk.router.margin`; included in
+            ``ttft_s``, so that ``feasible`` is ``ttft_s`` against the target).
     """
 
     instance: str
@@ -88,6 +91,12 @@ class Candidate:
     cached_tokens: int = -1
     cache_source: str = ""
     arrivals_s: float = 0.0
+    margin: float = 1.0
+
+    @property
+    def ttft_estimate_s(self) -> float:
+        """The point estimate: ``ttft_s`` without the margin (what errors are measured on)."""
+        return self.ttft_s / self.margin
 
     @property
     def harm_s(self) -> float:
@@ -162,6 +171,8 @@ class Decision:
                 extra += f" +{c.overhead_s * 1e3:.1f} ms overhead"
             if c.arrivals_s > 0.0:
                 extra += f" +{c.arrivals_s * 1e3:.1f} ms arrivals"
+            if c.margin > 1.0:
+                extra += f" margin x{c.margin:.2f}"
             ge = ">=" if c.ttft_lower_bound else "  "
             tpot = "" if math.isnan(c.tpot_s) else f" tpot {c.tpot_s * 1e3:6.2f} ms"
             if c.cached_tokens >= 0:

@@ -27,8 +27,13 @@ name                                        type       what
 ``ttft_overhead_seconds``                   gauge      first-token overhead added to its
                                                        replayed TTFT (as of the latest
                                                        decision that priced it)
+``ttft_margin``                             gauge      the factor its TTFT estimates were
+                                                       widened by (its first tokens' spread;
+                                                       1: none), as of the latest decision
+                                                       that priced it
 ``ttft_seconds``                            histogram  observed time to first token
-``ttft_error_seconds``                      histogram  observed minus predicted TTFT
+``ttft_error_seconds``                      histogram  observed minus predicted TTFT (the
+                                                       point estimate, without the margin)
 ``ttft_abs_relative_error``                 histogram  ``|observed - predicted| / observed``
 ``slo_total``                               counter    first tokens by ``outcome``: ``met`` or
                                                        ``missed`` (the request's TTFT target)
@@ -115,6 +120,12 @@ class PrometheusMetrics:
             ["instance"],
             **kw,
         )
+        self.ttft_margin = prom.Gauge(
+            "ttft_margin",
+            "Factor the TTFT estimates were widened by, as of the latest decision",
+            ["instance"],
+            **kw,
+        )
         self.ttft = prom.Histogram(
             "ttft_seconds",
             "Observed time to first token",
@@ -173,6 +184,7 @@ class PrometheusMetrics:
             self._child(self.speed_factor, cand.instance).set(cand.speed_factor)
             if cand.estimator != "unpriced":  # (no estimate, so no overhead added)
                 self._child(self.ttft_overhead, cand.instance).set(cand.overhead_s)
+                self._child(self.ttft_margin, cand.instance).set(cand.margin)
         if c.estimator == "lps":
             self._child(self.fallbacks, d.instance).inc()
         if d.explored:
@@ -181,7 +193,7 @@ class PrometheusMetrics:
     def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
         self._child(self.ttft, instance).observe(observed)
         self._child(self.slo, instance, "met" if observed <= d.ttft_target_s else "missed").inc()
-        pred = next((c.ttft_s for c in d.candidates if c.instance == instance), math.nan)
+        pred = next((c.ttft_estimate_s for c in d.candidates if c.instance == instance), math.nan)
         if math.isfinite(pred) and observed > 0:
             self._child(self.ttft_error, instance).observe(observed - pred)
             self._child(self.ttft_rel_error, instance).observe(abs(observed - pred) / observed)
@@ -261,13 +273,14 @@ class DecisionLog:
                     ),
                     "speed_factor": round(c.speed_factor, 4),
                     "overhead_s": round(c.overhead_s, 5),
+                    "margin": round(c.margin, 4),
                 }
                 for c in d.candidates
             ]
         self._emit(doc)
 
     def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
-        pred = next((c.ttft_s for c in d.candidates if c.instance == instance), math.nan)
+        pred = next((c.ttft_estimate_s for c in d.candidates if c.instance == instance), math.nan)
         self._emit(
             {
                 "event": "first_token",

@@ -48,10 +48,10 @@ MAX_PREFILL_SHARE: Final = 0.9
 """The most of an instance's time the prompts still to come are taken to fill."""
 UNPRICED: Final = "unpriced"
 """The estimator of a candidate left unpriced: one of higher utility was on time."""
-Row = tuple[Option, str, float, int, int, float, float, bool, int, str, float]
+Row = tuple[Option, str, float, int, int, float, float, bool, int, str, float, float]
 """A candidate as priced: option, estimator, snapshot age, prompt and output
 tokens, speed factor, overhead, lower bound, cached tokens and their source,
-arrivals."""
+arrivals, margin."""
 
 
 def tpot_with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
@@ -179,7 +179,7 @@ def _price(
             speed = 1.0 if s.speed is None else s.speed.factor
             entry = s.cache.entry
             age = math.inf if entry is None else entry.age(now)
-            row = (option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0)
+            row = (option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0, 1.0)
             out_rows.append(row)
             continue
         est = s.estimators.get(kind)
@@ -226,13 +226,15 @@ def _price(
         arrivals = 0.0
         if core.expect_arrivals and math.isfinite(lat.ttft_s):
             arrivals = ttft_arrivals(lat.ttft_s, s, now)
+        # (The spread is learned on replayed estimates; the others have their own errors.)
+        margin = s.margin.value(now) if s.margin is not None and lat.replayed else 1.0
         option = Option(
             s.name,
             s.config.model,
             acc,
             cost,
             acc - lam * cost,
-            lat.ttft_s + arrivals + overhead,
+            (lat.ttft_s + arrivals + overhead) * margin,
             s.inflight,
             s.inflight,
             tpot_s=tpot,
@@ -254,6 +256,7 @@ def _price(
                 cached,
                 source,
                 arrivals,
+                margin,
             )
         )
     return out_rows
@@ -460,6 +463,7 @@ _CANDIDATE_FIELDS: Final = [
     "cached_tokens",
     "cache_source",
     "arrivals_s",
+    "margin",
 ]
 assert [f.name for f in attrs.fields(Candidate)] == _CANDIDATE_FIELDS, "Candidate's fields moved"
 
@@ -473,9 +477,8 @@ def candidates(rows: list[Row], sel: Selection) -> tuple[Candidate, ...]:
     feasible = sel.feasible
     scores = sel.scores
     out = []
-    for i, (o, est, age, ptok, out_tok, speed, overhead, bound, cached, source, arr) in enumerate(
-        rows
-    ):
+    for i, row in enumerate(rows):
+        o, est, age, ptok, out_tok, speed, overhead, bound, cached, source, arr, margin = row
         skipped = est == UNPRICED
         out.append(
             Candidate(
@@ -502,6 +505,7 @@ def candidates(rows: list[Row], sel: Selection) -> tuple[Candidate, ...]:
                 cached,
                 source,
                 arr,
+                margin,
             )
         )
     return tuple(out)

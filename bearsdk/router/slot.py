@@ -2,7 +2,7 @@
 
 An :class:`InstanceSlot` holds one instance's configuration, snapshot cache,
 state, statistics, breaker and learned corrections (its first-token
-overhead, speed, KV-event index); :class:`~bearsdk.router.core.RouterCore`
+overhead and margin, speed, KV-event index); :class:`~bearsdk.router.core.RouterCore`
 keeps one per instance of its pool.
 """
 
@@ -20,6 +20,7 @@ from bearsdk.estimators.stats import InstanceStats
 from bearsdk.prompts.approx import BLOCK_CHARS, DispatchIndex
 from bearsdk.router.breaker import CircuitBreaker
 from bearsdk.router.config import InstanceConfig
+from bearsdk.router.margin import MarginTracker
 from bearsdk.schedulers.spec import BoundScheduler
 from bearsdk.snapshot import Snapshot
 from bearsdk.state import InstanceState, ShadowView, SnapshotCache
@@ -76,6 +77,8 @@ class InstanceSlot:
     # fastest of them.
     observed_ttfts: deque[float] = attrs.Factory(lambda: deque(maxlen=64))
     overhead_at: float = -math.inf
+    # How much later than predicted its first tokens come, at a quantile.
+    margin: MarginTracker | None = None
     # One per estimator name a selector asked for, built on first use.
     estimators: dict[str, InstanceEstimator] = attrs.Factory(dict)
     # Its cached blocks from its KV events (InstanceConfig.kv_events; the runtime feeds it).

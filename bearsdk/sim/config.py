@@ -15,6 +15,8 @@
     resident_lengths = "predicted"  # predicted | calibrated (quantiles of completed lengths)
     speed = "learned"               # learned (each instance's speed, from its snapshots)
                                     # | profile (the coefficients as they are)
+    margin = "learned"              # learned (widen each instance's TTFT estimates by its
+                                    # first tokens' spread) | off (the point estimates)
 
     [[pool]]                        # one table per instance
     name = "qwen3-8b"
@@ -81,6 +83,7 @@ import attrs
 from bearsdk.errors import BearError
 from bearsdk.gateway.config import ADMISSION_MODES
 from bearsdk.sim.scenario import (
+    MARGIN_MODES,
     ORACLE,
     ORACLE_LATENCY,
     SPEED_MODES,
@@ -213,6 +216,8 @@ class SimConfig:
         speed: ``"learned"`` (the router learns each instance's speed from its
             snapshots) or ``"profile"`` (it replays with the coefficients as
             they are).
+        margin: ``"learned"`` (the router widens each instance's TTFT
+            estimates by its first tokens' spread) or ``"off"``.
         predictor: ``"default"``, ``"alpaca-eval"`` or a predictor file.
         pool: The instances.
         workload: The workload.
@@ -234,6 +239,7 @@ class SimConfig:
     sweeps: tuple[SweepSpec, ...]
     source: str = ""
     speed: str = "learned"
+    margin: str = "learned"
 
     def base_dir(self) -> Path:
         """Folder that relative paths in the configuration are relative to."""
@@ -263,6 +269,7 @@ class SimConfig:
                             router_staleness=self.router_staleness,
                             resident_lengths=self.resident_lengths,
                             speed=self.speed,
+                            margin=self.margin,
                             admission=adm,
                             queue_size=sw.queue_size,
                             max_wait_ms=sw.max_wait_ms,
@@ -647,7 +654,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         raise SimConfigError(f"simulation.seeds must be a list of integers >= 0 (got {seeds!r})")
     router = doc.get("router", {})
     _check_keys(
-        "router", router, ("staleness", "batch_time", "predictor", "resident_lengths", "speed")
+        "router",
+        router,
+        ("staleness", "batch_time", "predictor", "resident_lengths", "speed", "margin"),
     )
     staleness = _staleness(router.get("staleness", "default"))
     batch_time = _str("router", router, "batch_time", "profile")
@@ -663,6 +672,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
     speed = _str("router", router, "speed", "learned")
     if speed not in SPEED_MODES:
         raise SimConfigError(f"router.speed must be 'learned' or 'profile' (got {speed!r})")
+    margin = _str("router", router, "margin", "learned")
+    if margin not in MARGIN_MODES:
+        raise SimConfigError(f"router.margin must be 'learned' or 'off' (got {margin!r})")
     policies = _policies(doc.get("policies", {}))
     cfg = SimConfig(
         name=_str("simulation", sim, "name", Path(source).stem if source else "simulation"),
@@ -678,6 +690,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
         sweeps=_sweeps(doc.get("sweep"), policies),
         source=source,
         speed=speed,
+        margin=margin,
     )
     return cfg
 

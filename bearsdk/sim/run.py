@@ -41,6 +41,7 @@ from bearsdk.predictors.protocol import StagedPredictor
 from bearsdk.router import InstanceConfig
 from bearsdk.router.core import DEFAULT_SPEED, RouterCore
 from bearsdk.router.decision import Decision
+from bearsdk.router.margin import DEFAULT_MARGIN
 from bearsdk.selectors import make_selector
 from bearsdk.sim.admission import SEND, SimAdmission
 from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
@@ -229,6 +230,7 @@ def run_scenario(
             if scenario.resident_lengths == "calibrated"
             else "predicted",
             speed=DEFAULT_SPEED if scenario.speed == "learned" else None,
+            margin=DEFAULT_MARGIN if scenario.margin == "learned" else None,
         )
         delay = scenario.staleness_s
         for e in engines:
@@ -289,7 +291,7 @@ def run_scenario(
         router.record_dispatch(d)
         decisions[k] = d
         # A lower bound past the selector's horizon is no estimate: out of the MAPE.
-        predicted[k] = math.nan if d.chosen.ttft_lower_bound else d.chosen.ttft_s
+        predicted[k] = math.nan if d.chosen.ttft_lower_bound else d.chosen.ttft_estimate_s
         estimator[k] = d.chosen.estimator
         return names.index(d.instance)
 
@@ -448,6 +450,7 @@ def _learned_speed(
                 "stderr": sp.stderr,
                 "steps": float(sp.steps),
                 "overhead_s": router.overhead(nm),
+                "margin": router.margin(nm),
             }
     return out
 
@@ -472,7 +475,7 @@ class _Diagnosis:
         target = float(requests.targets_s[i])
         for j, (e, c) in enumerate(zip(engines, d.candidates, strict=True)):
             true = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
-            self._rows.append((j, c.estimator, c.ttft_s, true, target, c.ttft_lower_bound))
+            self._rows.append((j, c.estimator, c.ttft_estimate_s, true, target, c.ttft_lower_bound))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per instance (and per instance and estimator): ``n``, ``mape``, ``bias``

@@ -22,6 +22,7 @@ from bearsdk.schedulers import Policy
 from bearsdk.state import StalenessRules
 
 __all__ = [
+    "MARGIN_MODES",
     "ORACLE",
     "ORACLE_LATENCY",
     "SPEED_MODES",
@@ -41,6 +42,9 @@ TIMELINE_WINDOW_S: Final = 5.0
 
 SPEED_MODES: Final = ("learned", "profile")
 """How the router prices an instance's batches: its speed learned, or the profile as is."""
+
+MARGIN_MODES: Final = ("learned", "off")
+"""Whether the router widens each instance's TTFT estimates by its first tokens' spread."""
 
 ORACLE: Final = "oracle"
 """Name of the oracle router (true TTFT and true utility)."""
@@ -217,6 +221,9 @@ class Scenario:
             or ``"calibrated"``).
         speed: ``"learned"``: the router learns each instance's speed from its
             snapshots; ``"profile"``: it keeps the coefficients as they are.
+        margin: ``"learned"``: the router widens each instance's TTFT
+            estimates by its first tokens' spread (:mod:`bearsdk.router.margin`);
+            ``"off"``: it uses the point estimates.
         admission: What happens to a request no instance is predicted to serve
             on time: one of :data:`~bearsdk.gateway.config.ADMISSION_MODES`, as
             the gateway applies it (:mod:`bearsdk.sim.admission`; the oracles
@@ -236,6 +243,7 @@ class Scenario:
     router_staleness: StalenessRules = attrs.field(factory=StalenessRules)
     resident_lengths: str = "predicted"
     speed: str = "learned"
+    margin: str = "learned"
     admission: str = "best-effort"
     queue_size: int = 1024
     max_wait_ms: float = 0.0
@@ -363,6 +371,7 @@ class RunResult:
             "router_staleness": staleness_label(s.router_staleness),
             "resident_lengths": s.resident_lengths,
             "speed": s.speed,
+            "margin": s.margin,
             "seed": s.seed,
             "requests": self.n,
             "on_time_utility": self.on_time_utility,
