@@ -54,6 +54,7 @@ from bearsdk.predictors.protocol import PoolPredictor
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.breaker import BreakerState, CircuitBreaker
+from bearsdk.router.candidates import Candidates
 from bearsdk.router.config import ConfigError, InstanceConfig, cover_models, load_pool_config
 from bearsdk.router.decision import Decision
 from bearsdk.router.errors import (
@@ -72,7 +73,6 @@ from bearsdk.router.pricing import (
     Ask,
     PruningMemo,
     Row,
-    candidates,
     price,
     price_best_first,
     reprice_lowest,
@@ -527,7 +527,7 @@ class RouterCore:
         chosen = slots[index]
         if chosen.dispatches is not None and approx is not None:
             chosen.dispatches.record(approx)
-        recorded = candidates(rows, sel)
+        recorded = Candidates(rows, sel)
         j = chosen.model_index
         d = Decision(
             request_id=request_id or self.next_id(),
@@ -595,7 +595,12 @@ class RouterCore:
 
     def sent(self, s: InstanceSlot, d: Decision, now: float) -> None:
         """A request following ``d`` was sent to ``s`` at ``now``."""
-        c = next(c for c in d.candidates if c.instance == s.name)
+        # (The chosen one by index: the others are built only if read.)
+        c = (
+            d.chosen
+            if s.name == d.instance
+            else next(c for c in d.candidates if c.instance == s.name)
+        )
         s.inflight += 1
         if d.tpot_target_s != math.inf:
             s.tpot_targets[d.request_id] = d.tpot_target_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 
 import attrs
 
@@ -112,7 +113,9 @@ class Decision:
         request_id: The router's id for the request.
         selector: The selector's name (``bear``, ``lagrangian``, ...).
         instance: The chosen instance.
-        candidates: Every instance considered, in pool order.
+        candidates: Every instance considered, in pool order (a tuple, or
+            the router's :class:`~bearsdk.router.candidates.Candidates`, which
+            builds each record when it is first read and compares as the tuple).
         index: Index of the chosen one in ``candidates``.
         ttft_target_s: The request's TTFT target.
         reason: The selector's reason.
@@ -129,7 +132,7 @@ class Decision:
     request_id: str
     selector: str
     instance: str
-    candidates: tuple[Candidate, ...]
+    candidates: Sequence[Candidate]
     index: int
     ttft_target_s: float
     reason: str

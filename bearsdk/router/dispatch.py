@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -136,20 +136,22 @@ class Dispatcher:
             decision,
         )
 
-    def fallback_order(self, d: Decision) -> list[str]:
+    def fallback_order(self, d: Decision) -> Iterator[str]:
         """The chosen instance, then the others best first by the policy's scores.
 
         Every one is listed: :meth:`send` stops after ``retries`` further
         attempts, so instances that cannot be tried (drained, removed, circuit
-        broken) do not use up the retries.
+        broken) do not use up the retries. The others are ranked only once the
+        chosen one has failed (a decision builds its candidates when read).
         """
+        yield d.instance
+        cands = d.candidates
         rest = sorted(
-            (i for i in range(len(d.candidates)) if i != d.index),
-            key=lambda i: (
-                -d.candidates[i].score if not math.isnan(d.candidates[i].score) else math.inf
-            ),
+            (i for i in range(len(cands)) if i != d.index),
+            key=lambda i: -cands[i].score if not math.isnan(cands[i].score) else math.inf,
         )
-        return [d.instance, *(d.candidates[i].instance for i in rest)]
+        for i in rest:
+            yield cands[i].instance
 
     async def _post(
         self,

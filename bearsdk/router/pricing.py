@@ -19,7 +19,6 @@ import attrs
 from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
-from bearsdk.router.decision import Candidate
 from bearsdk.router.slot import InstanceSlot, block_size, cached_tokens, first_token_overhead
 from bearsdk.selectors import Option, Selection
 
@@ -32,7 +31,6 @@ __all__ = [
     "Ask",
     "PruningMemo",
     "Row",
-    "candidates",
     "price",
     "price_best_first",
     "reprice_lowest",
@@ -435,77 +433,3 @@ class PruningMemo:
             return
         on_time = [r[0].utility for r, f in zip(rows, feasible, strict=True) if f]
         self._helps = bool(on_time) and max(on_time) > min(r[0].utility for r in rows)
-
-
-# candidates() passes Candidate's fields by position (keywords cost twice as much
-# for a frozen class of 23 fields): the order it assumes, checked once.
-_CANDIDATE_FIELDS: Final = [
-    "instance",
-    "model",
-    "accuracy",
-    "cost",
-    "utility",
-    "ttft_s",
-    "feasible",
-    "score",
-    "estimator",
-    "snapshot_age_s",
-    "queue",
-    "prompt_tokens",
-    "output_tokens",
-    "speed_factor",
-    "overhead_s",
-    "ttft_lower_bound",
-    "tpot_s",
-    "resident_itl_s",
-    "resident_itl_base_s",
-    "resident_tpot_target_s",
-    "cached_tokens",
-    "cache_source",
-    "arrivals_s",
-    "margin",
-]
-assert [f.name for f in attrs.fields(Candidate)] == _CANDIDATE_FIELDS, "Candidate's fields moved"
-
-
-def candidates(rows: list[Row], sel: Selection) -> tuple[Candidate, ...]:
-    """The decision's record of every row, with the selector's scores and verdicts.
-
-    An unpriced row has no estimate: ``ttft_s`` is ``nan`` and ``feasible``
-    ``None`` (the selector saw ``inf``, never on time).
-    """
-    feasible = sel.feasible
-    scores = sel.scores
-    out = []
-    for i, row in enumerate(rows):
-        o, est, age, ptok, out_tok, speed, overhead, bound, cached, source, arr, margin = row
-        skipped = est == UNPRICED
-        out.append(
-            Candidate(
-                o.instance,
-                o.model,
-                o.accuracy,
-                o.cost,
-                o.utility,
-                math.nan if skipped else o.ttft_s,
-                None if feasible is None or skipped else feasible[i],
-                scores[i],
-                est,
-                age,
-                o.queue,
-                ptok,
-                out_tok,
-                speed,
-                overhead,
-                bound,
-                o.tpot_s,
-                o.resident_itl_s,
-                o.resident_itl_base_s,
-                o.resident_tpot_target_s,
-                cached,
-                source,
-                arr,
-                margin,
-            )
-        )
-    return tuple(out)

@@ -627,7 +627,7 @@ class AsyncRouter(Runs):
         )
 
     def _fallback_order(self, d: Decision) -> list[str]:
-        return self._dispatch.fallback_order(d)
+        return list(self._dispatch.fallback_order(d))
 
     # ------------------------------------------------------------------ feedback
 
