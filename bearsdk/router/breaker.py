@@ -73,6 +73,8 @@ class CircuitBreaker:
 
     def routable(self, now: float) -> bool:
         """Like :meth:`allows`, without claiming anything (for candidate lists)."""
+        if self._state is BreakerState.CLOSED:  # (a closed breaker has no timer to run)
+            return True
         st = self.state(now)
         return st is BreakerState.CLOSED or (st is BreakerState.HALF_OPEN and not self._probing)
 

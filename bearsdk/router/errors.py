@@ -80,7 +80,10 @@ def check_target(value: object, name: str = "ttft_target") -> float | None:
     """``ttft_target`` (or ``name``): seconds > 0 (``inf``: no target), or ``None``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    # (A plain float, the common case, skips the ABC check: a decision's hot path.)
+    if type(value) is not float and (
+        isinstance(value, bool) or not isinstance(value, numbers.Real)
+    ):
         raise RequestError(f"{name} must be a number of seconds > 0 (got {short(value)})")
     target = float(value)
     if not target > 0:  # NaN fails this too
@@ -154,13 +157,13 @@ def prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
     if isinstance(prompt, str):
         return prompt
     given: object = prompt  # callers' types are not checked at run time
-    if not isinstance(given, Sequence):
+    if type(given) is not list and not isinstance(given, Sequence):
         raise RequestError(
             f"messages must be a list of message objects, or a prompt string (got {short(prompt)})"
         )
     parts = []
     for i, m in enumerate(prompt):
-        if not isinstance(m, Mapping) or "content" not in m:
+        if (type(m) is not dict and not isinstance(m, Mapping)) or "content" not in m:
             raise RequestError(
                 f"messages[{i}] must be an object with a 'content' field (got {short(m)})"
             )

@@ -160,17 +160,26 @@ def _price(
     shared, by_model = _split_ids(ids)
     out_rows: list[Row] = []
     accs, outs, ptoks, costs = ask.cols
+    # What depends on the model alone, once per model (a pool has few models
+    # and may have hundreds of instances).
+    per_model: dict[int, tuple[float, int, int, float, PromptIds | None]] = {}
     for s in slots:
         j = s.model_index
-        acc = accs[j]
-        out = int(outs[j])
-        if max_tokens is not None:
-            out = min(out, max_tokens)
-        p = shared if by_model is None else by_model.get(s.config.model)
-        # The engines' own count when the prompt's ids are known.
-        ptok = len(p) if p else max(1, int(ptoks[j]))
-        cost = costs[j] * MICRO
-        keys, cached, source, eptok = _cached(s, p, ptok, approx)
+        m = per_model.get(j)
+        if m is None:
+            out = int(outs[j])
+            if max_tokens is not None:
+                out = min(out, max_tokens)
+            p = shared if by_model is None else by_model.get(s.config.model)
+            # The engines' own count when the prompt's ids are known.
+            ptok = len(p) if p else max(1, int(ptoks[j]))
+            m = per_model[j] = (accs[j], out, ptok, costs[j] * MICRO, p)
+        acc, out, ptok, cost, p = m
+        keys: list[int]
+        if p is None and s.dispatches is None:
+            keys, cached, source, eptok = [], -1, "", ptok
+        else:
+            keys, cached, source, eptok = _cached(s, p, ptok, approx)
         if not estimate:
             u = acc - lam * cost
             option = Option(s.name, s.config.model, acc, cost, u, math.inf, s.inflight, s.inflight)
@@ -211,7 +220,10 @@ def _price(
             # A target already eaten by the overhead (a tiny one, or a held request's
             # near its deadline) still gets an estimate: the first batch, a lower bound.
             left = max(horizon - ov, MIN_HORIZON_S)
-            lat = est.estimate(eptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
+            if extra:
+                lat = est.estimate(eptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
+            else:
+                lat = est.estimate(eptok, out, max_tokens, now, left)  # type: ignore[call-arg]
             overhead = ov if lat.replayed else 0.0
         else:
             lat = est.estimate(eptok, out, max_tokens, now, **extra)
@@ -235,10 +247,11 @@ def _price(
             (lat.ttft_s + arrivals + overhead) * margin,
             s.inflight,
             s.inflight,
-            tpot_s=tpot,
-            resident_itl_s=itl,
-            resident_itl_base_s=itl_base,
-            resident_tpot_target_s=tight,
+            math.nan,  # throughput_rps
+            tpot,
+            itl,
+            itl_base,
+            tight,
         )
         speed = 1.0 if s.speed is None else s.speed.factor
         out_rows.append(
@@ -335,15 +348,21 @@ def price_best_first(
     """
     lam = core.selector.lam
     accs, _, _, costs = ask.cols
-    by_model: dict[int, list[int]] = {}
-    for i, s in enumerate(slots):
-        by_model.setdefault(s.model_index, []).append(i)
     # The utility exactly as _price() computes it; models of equal utility
     # share a level, so that their ties break on TTFT as without pruning.
     by_level: dict[float, list[int]] = {}
-    for j, idx in by_model.items():
-        by_level.setdefault(accs[j] - lam * (costs[j] * MICRO), []).extend(idx)
-    if any(math.isnan(u) for u in by_level):
+    utility: dict[int, float] = {}
+    for i, s in enumerate(slots):
+        j = s.model_index
+        u = utility.get(j)
+        if u is None:
+            u = utility[j] = accs[j] - lam * (costs[j] * MICRO)
+        idx = by_level.get(u)
+        if idx is None:
+            by_level[u] = [i]
+        else:
+            idx.append(i)
+    if any(u != u for u in by_level):  # (nan)
         rows = _price(core, slots, ask, horizon)
         return rows, select([r[0] for r in rows])
     levels = sorted(by_level, reverse=True)
@@ -425,7 +444,7 @@ class PruningMemo:
     def observe(self, rows: list[Row], sel: Selection, best_first: bool) -> None:
         """Learn from a decision's rows, priced best first or at once."""
         if best_first:
-            self._helps = any(r[1] == UNPRICED for r in rows)
+            self._helps = UNPRICED in [r[1] for r in rows]
             return
         feasible = sel.feasible
         if feasible is None:

@@ -281,6 +281,9 @@ class SpeedTracker:
     _rejected: Counter[str] = attrs.field(init=False, factory=Counter)
     _model: BatchTimeModel | None = attrs.field(init=False, default=None)
     _solved: int = attrs.field(init=False, default=0)
+    # The factor, kept current by every change of the sums (read once per
+    # instance per decision, changed once per stretch).
+    _factor: float = attrs.field(init=False, default=1.0)
 
     def __attrs_post_init__(self) -> None:
         if self.min_factor >= self.max_factor:
@@ -298,6 +301,10 @@ class SpeedTracker:
         self._rhs = np.zeros(4)
         self._model = None
         self._solved = self._intervals
+        self._factor = self._clamped()
+
+    def _clamped(self) -> float:
+        return min(max(self._obs / self._pred, self.min_factor), self.max_factor)
 
     def rebase(self, model: BatchTimeModel) -> None:
         """New base coefficients (an online fit of the engine's own batch times):
@@ -308,7 +315,7 @@ class SpeedTracker:
     @property
     def factor(self) -> float:
         """The current speed factor (real over base time)."""
-        return min(max(self._obs / self._pred, self.min_factor), self.max_factor)
+        return self._factor
 
     @property
     def last_evidence_at(self) -> float:
@@ -389,6 +396,7 @@ class SpeedTracker:
             x = np.array(interval.terms)
             self._gram += np.outer(x, x) / pred
             self._rhs += x * (obs / pred)
+        self._factor = self._clamped()
         self._steps += interval.steps
         self._intervals += 1
         # The model (a 4x4 solve) is refreshed every few stretches once settled:
