@@ -145,7 +145,17 @@ class PromptTokenCounter:
 
     def counts(self, prompt: str) -> npt.NDArray[np.float64]:
         """Return the prompt token count of ``prompt`` for every model, in pool order."""
-        est = self._overhead + self._slope * (len(prompt) / _KCHARS)
+        x = len(prompt) / _KCHARS
+        if not self._tok_models:
+            # (Scalar arithmetic on a pool's few models beats numpy's per-call cost;
+            # round() rounds half to even, as np.rint does.)
+            return np.array(
+                [
+                    max(float(round(o + s * x)), 0.0)
+                    for o, s in zip(self._overhead.tolist(), self._slope.tolist(), strict=True)
+                ]
+            )
+        est = self._overhead + self._slope * x
         for i in self._tok_models:
             n = len(self.tokenizers[self.models[i]].encode(prompt).ids)
             est[i] = self._overhead[i] + self._slope[i] * n

@@ -118,6 +118,23 @@ SPEED_MIN_INTERVAL_S: Final = 0.05
 """Snapshots closer than this to the last speed anchor wait for a later one
 (bounds the evidence's cost per instance to 20 pairs per second)."""
 
+# decide() builds its Decision positionally (keywords cost more on the hot path).
+assert [f.name for f in attrs.fields(Decision)] == [
+    "request_id",
+    "selector",
+    "instance",
+    "candidates",
+    "index",
+    "ttft_target_s",
+    "reason",
+    "prompt_tokens",
+    "output_tokens",
+    "decided_at",
+    "decide_s",
+    "explored",
+    "tpot_target_s",
+], "Decision's fields moved"
+
 DEFAULT_EXPLORATION: Final = Exploration()
 """Exploration by default: 1% of decisions, instances without speed evidence for 30 s."""
 
@@ -464,8 +481,11 @@ class RouterCore:
         else:
             ids = None
         # Instances known only by what was sent there: the text's character blocks.
+        # (Only a router with dispatch_prefixes gives instances a dispatch index.)
         approx = (
-            text_chain(text, BLOCK_CHARS) if any(s.dispatches is not None for s in slots) else None
+            text_chain(text, BLOCK_CHARS)
+            if self.dispatch_prefixes and any(s.dispatches is not None for s in slots)
+            else None
         )
         priced: dict[str, list[int]] = {}
         ask = Ask.of(
@@ -527,22 +547,22 @@ class RouterCore:
         chosen = slots[index]
         if chosen.dispatches is not None and approx is not None:
             chosen.dispatches.record(approx)
-        recorded = Candidates(rows, sel)
         j = chosen.model_index
+        # (Positional: Decision's field order, as its class lists them.)
         d = Decision(
-            request_id=request_id or self.next_id(),
-            selector=sel_.name,
-            instance=chosen.name,
-            candidates=recorded,
-            index=index,
-            ttft_target_s=target,
-            reason=reason,
-            prompt_tokens=int(pred.prompt_tokens[j]),
-            output_tokens=int(pred.output_tokens[j]),
-            decided_at=now,
-            decide_s=time.perf_counter() - t0,
-            explored=index != sel.index,
-            tpot_target_s=tpot_s,
+            request_id or self.next_id(),
+            sel_.name,
+            chosen.name,
+            Candidates(rows, sel),
+            index,
+            target,
+            reason,
+            int(pred.prompt_tokens[j]),
+            int(pred.output_tokens[j]),
+            now,
+            time.perf_counter() - t0,
+            index != sel.index,
+            tpot_s,
         )
         if priced:
             keep = self._dispatch_keys

@@ -495,6 +495,8 @@ class InstanceState:
 
     def _set(self, e: EstimateFields, now: float) -> EstimateFields:
         mode, age = e[1], e[2]
+        if mode == self._mode:  # (no switch to log: every estimate but a few)
+            return e
         was_fallback = self._mode in ("fallback", "none")
         is_fallback = mode in ("fallback", "none")
         if was_fallback != is_fallback and self._mode != "none":
