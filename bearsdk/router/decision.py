@@ -97,7 +97,7 @@ class Candidate:
     @property
     def ttft_estimate_s(self) -> float:
         """The point estimate: ``ttft_s`` without the margin (what errors are measured on)."""
-        return self.ttft_s / self.margin
+        return self.ttft_s / self.margin if self.margin > 0.0 else self.ttft_s
 
     @property
     def harm_s(self) -> float:

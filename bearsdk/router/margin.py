@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_MARGIN", "MarginTracker", "TtftMargin"]
 
 
 def _quantile(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and 0.5 <= value < 1.0):
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0.5 <= value < 1.0):
         raise ValueError(f"ttft margin: {att.name} must be in [0.5, 1) (got {value!r})")
 
 
@@ -43,12 +43,14 @@ def _count(inst: object, att: attrs.Attribute[int], value: int) -> None:
 
 
 def _ratio_cap(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and 1.0 <= value <= 10.0):
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 1.0 <= value <= 10.0):
         raise ValueError(f"ttft margin: {att.name} must be in [1, 10] (got {value!r})")
 
 
 def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not (
+        isinstance(value, int | float) and math.isfinite(value) and value > 0
+    ):
         raise ValueError(f"ttft margin: {att.name} must be a finite number > 0 (got {value!r})")
 
 
