@@ -176,7 +176,7 @@ def test_the_decision_log_and_the_metrics_carry_it(caplog: pytest.LogCaptureFixt
 
     cfg = InstanceConfig(name="a", url="http://a", model="Qwen/Qwen3-8B", profile=PROFILE)
     clock = [10.0]
-    core = RouterCore([cfg], clock=lambda: clock[0])
+    core = RouterCore([cfg], clock=lambda: clock[0], margin=TtftMargin())
     reg = prom.CollectorRegistry()
     PrometheusMetrics(reg).attach(core)  # type: ignore[arg-type]
     DecisionLog().attach(core)  # type: ignore[arg-type]
@@ -207,3 +207,9 @@ def test_a_candidate_without_a_margin_is_its_own_estimate() -> None:
     assert c.margin == 1.0
     assert c.ttft_estimate_s == 0.2
     assert attrs.evolve(c, ttft_s=0.3, margin=1.5).ttft_estimate_s == pytest.approx(0.2)
+
+
+def test_the_router_has_no_margin_unless_asked() -> None:
+    cfg = InstanceConfig(name="a", url="http://a", model="Qwen/Qwen3-8B", profile=PROFILE)
+    assert RouterCore([cfg]).slot("a").margin is None
+    assert RouterCore([cfg], margin=TtftMargin()).slot("a").margin is not None

@@ -118,8 +118,8 @@ def test_best_effort_is_the_simulator_before_the_admission_axis(requests: Reques
     # router's time model then priced each decode's own key (decode_keys
     # "attended"): every decision stayed the same, the TTFT MAPE moved in the
     # sixth digit (0.20708306 -> 0.20708997). The router's TTFT margin (learned
-    # from first tokens, bearsdk.router.margin) came later and is off here, so
-    # that the figures stay those of that simulator.
+    # from first tokens, bearsdk.router.margin; opt-in) came later and is off
+    # here, so that the figures stay those of that simulator.
     r, _ = _run(requests, 40.0, margin="off")
     assert r.composition == {
         "qwen3-8b": {"routed": 169, "met": 66, "missed": 103},

@@ -69,7 +69,7 @@ from bearsdk.router.errors import (
 from bearsdk.router.explore import Exploration, Explorer
 from bearsdk.router.feedback import RouterFeedback
 from bearsdk.router.hooks import RouterHooks
-from bearsdk.router.margin import DEFAULT_MARGIN, TtftMargin
+from bearsdk.router.margin import TtftMargin
 from bearsdk.router.pricing import (
     Ask,
     PruningMemo,
@@ -161,7 +161,8 @@ class RouterCore(RouterFeedback):
             is copied for each instance (its ``base`` replaced by the instance's).
         margin: Widen each instance's TTFT estimates by the upper quantile of
             its recent first tokens' observed-over-predicted ratios
-            (:mod:`bearsdk.router.margin`; ``None``: the point estimates as they are).
+            (:mod:`bearsdk.router.margin`; default ``None``: the point estimates
+            as they are).
         explore: Bounded exploration of instances without recent speed
             evidence (``None``: never; see :mod:`bearsdk.router.explore`).
         tokenizers: Per model (the pool's ``model`` names), its tokenizer: a
@@ -199,7 +200,7 @@ class RouterCore(RouterFeedback):
         resident_lengths: Literal["predicted", "calibrated"] = "predicted",
         breaker: CircuitBreaker | None = None,
         speed: SpeedTracker | None = DEFAULT_SPEED,
-        margin: TtftMargin | None = DEFAULT_MARGIN,
+        margin: TtftMargin | None = None,
         explore: Exploration | None = DEFAULT_EXPLORATION,
         tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
         dispatch_prefixes: bool = False,

@@ -16,9 +16,10 @@ A margin only ever widens (never below 1: an instance whose estimates run late
 is no reason to believe another's early), is capped (``max_margin``), and
 fades while no first token confirms it, as the first-token overhead does: an
 instance the router stopped choosing because of its margin is not held out by
-it (issue 17's lock-out). Measured in docs/calibration.md: it brings the
-step-change scenario's on-time rate after the slow-down back within 2% of its
-level before, at no measurable cost in on-time utility.
+it (issue 17's lock-out). Measured in docs/calibration.md: in the simulator it
+brings the step-change scenario's on-time rate after the slow-down back within
+2% of its level before at no measurable cost in on-time utility, but it cost
+the emulated demo on-time utility, so it is opt-in.
 """
 
 from __future__ import annotations
@@ -86,13 +87,16 @@ class TtftMargin:
 
 
 DEFAULT_MARGIN: Final = TtftMargin()
-"""The router's default: the 80% conformal bound of the latest 64 first tokens.
+"""The recommended settings (``RouterCore(margin=DEFAULT_MARGIN)``; the router's
+default is no margin): the 80% conformal bound of the latest 64 first tokens.
 
 Chosen by measurement (docs/calibration.md): over the paper, staleness,
 mis-calibrated, random-speed and step-change runs, 0.8 moved BEAR's on-time
 utility by -0.0012 to +0.0047 per cell (the loss within seed noise, in one
 cell); 0.9 cost up to 0.004 under stale snapshots and 0.95 up to 0.019, both
-by sending less to the most accurate model."""
+by sending less to the most accurate model. The emulated demo (`bearsdk demo`)
+lost 0.03-0.04 on-time utility at 10-16 req/s with it (q = 0.6 or 0.8), which is
+why it is off by default."""
 
 
 @attrs.define

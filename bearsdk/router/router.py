@@ -50,7 +50,7 @@ from bearsdk.router.errors import (
 )
 from bearsdk.router.explore import Exploration
 from bearsdk.router.hooks import RouterHooks
-from bearsdk.router.margin import DEFAULT_MARGIN, TtftMargin
+from bearsdk.router.margin import TtftMargin
 from bearsdk.router.runtime import InstanceRuntime
 from bearsdk.router.slot import InstanceSlot
 from bearsdk.router.sources import get_snapshot_source
@@ -123,9 +123,9 @@ class AsyncRouter(Runs):
             settings: :data:`~bearsdk.router.core.DEFAULT_SPEED`; ``None``:
             replay the coefficients as they are). See ``docs/calibration.md``.
         margin: Widen each instance's TTFT estimates by its recent first
-            tokens' spread (default settings:
-            :data:`~bearsdk.router.margin.DEFAULT_MARGIN`; ``None``: the point
-            estimates as they are). See ``docs/calibration.md``.
+            tokens' spread (e.g. :data:`~bearsdk.router.margin.DEFAULT_MARGIN`;
+            default ``None``: the point estimates as they are). See
+            ``docs/calibration.md`` for what it buys and costs.
         explore: Bounded exploration of instances with no recent speed
             evidence (:class:`~bearsdk.router.Exploration`; ``None``: never).
         tokenizers: Per model (the pool's ``model`` names), its tokenizer: a
@@ -164,7 +164,7 @@ class AsyncRouter(Runs):
         max_event_bytes: int = 1 << 20,
         max_body_bytes: int = 64 << 20,
         speed: SpeedTracker | None = DEFAULT_SPEED,
-        margin: TtftMargin | None = DEFAULT_MARGIN,
+        margin: TtftMargin | None = None,
         explore: Exploration | None = DEFAULT_EXPLORATION,
         tokenizers: Mapping[str, ChatTokenizer | str | Path] | None = None,
         dispatch_prefixes: bool = False,

@@ -15,8 +15,9 @@
     resident_lengths = "predicted"  # predicted | calibrated (quantiles of completed lengths)
     speed = "learned"               # learned (each instance's speed, from its snapshots)
                                     # | profile (the coefficients as they are)
-    margin = "learned"              # learned (widen each instance's TTFT estimates by its
-                                    # first tokens' spread) | off (the point estimates)
+    margin = "off"                  # off (the point estimates, the router's default) |
+                                    # learned (widen each instance's TTFT estimates by
+                                    # its first tokens' spread: bearsdk.router.margin)
 
     [[pool]]                        # one table per instance
     name = "qwen3-8b"
@@ -216,8 +217,9 @@ class SimConfig:
         speed: ``"learned"`` (the router learns each instance's speed from its
             snapshots) or ``"profile"`` (it replays with the coefficients as
             they are).
-        margin: ``"learned"`` (the router widens each instance's TTFT
-            estimates by its first tokens' spread) or ``"off"``.
+        margin: ``"off"`` (the router's default) or ``"learned"`` (the
+            router widens each instance's TTFT estimates by its first tokens'
+            spread).
         predictor: ``"default"``, ``"alpaca-eval"`` or a predictor file.
         pool: The instances.
         workload: The workload.
@@ -239,7 +241,7 @@ class SimConfig:
     sweeps: tuple[SweepSpec, ...]
     source: str = ""
     speed: str = "learned"
-    margin: str = "learned"
+    margin: str = "off"
 
     def base_dir(self) -> Path:
         """Folder that relative paths in the configuration are relative to."""
@@ -672,7 +674,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
     speed = _str("router", router, "speed", "learned")
     if speed not in SPEED_MODES:
         raise SimConfigError(f"router.speed must be 'learned' or 'profile' (got {speed!r})")
-    margin = _str("router", router, "margin", "learned")
+    margin = _str("router", router, "margin", "off")
     if margin not in MARGIN_MODES:
         raise SimConfigError(f"router.margin must be 'learned' or 'off' (got {margin!r})")
     policies = _policies(doc.get("policies", {}))

@@ -221,9 +221,9 @@ class Scenario:
             or ``"calibrated"``).
         speed: ``"learned"``: the router learns each instance's speed from its
             snapshots; ``"profile"``: it keeps the coefficients as they are.
-        margin: ``"learned"``: the router widens each instance's TTFT
-            estimates by its first tokens' spread (:mod:`bearsdk.router.margin`);
-            ``"off"``: it uses the point estimates.
+        margin: ``"off"`` (the router's default): it uses the point
+            estimates; ``"learned"``: it widens each instance's TTFT estimates
+            by its first tokens' spread (:mod:`bearsdk.router.margin`).
         admission: What happens to a request no instance is predicted to serve
             on time: one of :data:`~bearsdk.gateway.config.ADMISSION_MODES`, as
             the gateway applies it (:mod:`bearsdk.sim.admission`; the oracles
@@ -243,7 +243,7 @@ class Scenario:
     router_staleness: StalenessRules = attrs.field(factory=StalenessRules)
     resident_lengths: str = "predicted"
     speed: str = "learned"
-    margin: str = "learned"
+    margin: str = "off"
     admission: str = "best-effort"
     queue_size: int = 1024
     max_wait_ms: float = 0.0
