@@ -7,11 +7,11 @@
 # cases require identical batches. docs/prefix-caching.md gives every rule with
 # its vLLM source line.
 #
-# The plain compiled loop (_replay_c) folds decodes into an aggregate; here
-# every allocation's block identity matters (which cached block it evicts,
-# where a freed block goes, what a later admission hits), so each batch is
-# formed request by request. What keeps a replay cheap is that it copies only
-# what it touches from the prepared snapshot:
+# Every allocation's block identity matters here (which cached block it
+# evicts, where a freed block goes, what a later admission hits). Plain decodes
+# are still an aggregate, as in _replay_c, with block identities kept ("Lazy
+# decodes" below), and a replay copies only what it touches from the prepared
+# snapshot:
 #
 # * requests, blocks and free-queue runs are copied on first touch (an epoch
 #   per record says whether this replay's copy is current), so a replay of a
@@ -30,12 +30,13 @@ from libc.stdint cimport INT64_MIN, int8_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
-from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
+from cpython.tuple cimport PyTuple_GET_ITEM
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
+    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
     horizon_arg, imax, imin, output_limit, output_target, read_coeffs, read_policy, tokens_arg,
     tokens_wanted,
 )
@@ -97,12 +98,23 @@ ctypedef struct Rq:
     int64_t blk_cap
     int64_t key_off     # key list: likewise
     int64_t key_cap
+    int64_t phit        # a waiting request's hit on the prepared pool ...
+    int64_t ph_off      # ... and where its blocks are in the prepared heads blob
     int64_t in_batch    # serial of the batch being formed once scheduled in it
+    int64_t ord         # running order: serial of its admission
+    # A lazy decode (see "Lazy decodes"): state as a function of st.vt.
+    int64_t base        # computed = base + (vt of the next batch), while served
+    int64_t obase       # outputs delivered or in flight = obase + (same)
+    int64_t served_until  # last vt it is served at
+    int64_t t_last      # vt of the batch that delivers its last output
+    int64_t lazy_since  # first vt served lazily (the one before sampled explicitly)
     int32_t sched_pos   # ... and its entry there
+    int32_t gen         # bumped whenever its queued events go stale
     int8_t status
     int8_t prefilled
     int8_t blk_own
     int8_t key_own
+    int8_t lazy
 
 ctypedef struct Blk:
     int64_t key         # NOKEY: nothing findable
@@ -122,6 +134,21 @@ ctypedef struct HEnt:
     int64_t key
     int32_t head        # first holder; -1: empty slot
 
+ctypedef struct Ev:
+    int64_t key         # a vt
+    int32_t slot
+    int32_t gen
+
+ctypedef struct EvQ:    # a binary min-heap on key; stale events are skipped
+    Ev* e
+    int64_t n
+    int64_t cap
+
+ctypedef struct Bucket:  # lazies of one block phase, in running order
+    int32_t* s
+    int64_t n
+    int64_t cap
+
 ctypedef struct OEnt:
     int64_t key
     int32_t head        # first holder; -1: no holder any more
@@ -140,6 +167,8 @@ ctypedef struct Batch:
     bint carried        # the batch in flight at the snapshot: got counts are in flight too
     bint has_new
     int64_t serial
+    int64_t vt          # its index among the replay's batches (-1: the carried one)
+    int64_t lazy_n      # lazy decodes it serves (one token each)
     int64_t pre
     int64_t dec
     int64_t dctx
@@ -195,6 +224,8 @@ ctypedef struct St:
     int64_t ak_cap
     const int32_t* pbb  # the prepared blobs
     const int64_t* pkb
+    const int32_t* phb
+    int64_t forgets     # blocks whose content was forgotten (evicted) in this replay
     # scratch
     int32_t* hit
     int64_t cap_hit
@@ -227,6 +258,27 @@ ctypedef struct St:
     int64_t* tok_k
     double* tok_t
     int64_t cap_tok
+    # lazy decodes
+    bint lazy_ok        # the policy allows them (one running stage, token budget)
+    bint fold_ok        # the carried batch, if any, is processed
+    bint materialized   # this batch is formed request by request
+    int64_t vt          # the next batch's vt
+    int64_t vt_done     # the latest processed batch's vt
+    int64_t n_lazy
+    int64_t s_base      # sum of the lazies' base
+    int64_t ord_next
+    int64_t lazy_batches  # batches that served lazies (last_lazy_batches)
+    Bucket* bk          # per block phase (pmod(base, bs)), P.bs of them
+    bint bk_dirty       # some bucket may hold lazies (emptied before the next replay)
+    EvQ leave           # served_until: past it, a lazy stops being served
+    EvQ rel             # t_last: its last output lands, it finishes
+    int32_t* ex         # explicit running requests, in running order
+    int64_t n_ex
+    int64_t cap_ex
+    int64_t* grant      # tokens per entry of ex in a batch formed lazily
+    int64_t cap_grant
+    int32_t* fin        # requests finishing in the batch being processed
+    int64_t cap_fin
 
 
 # ---------------------------------------------------------------------------
@@ -394,6 +446,7 @@ cdef int add_holder(St* st, int64_t k, int32_t b) except -1 nogil:
 cdef int forget(St* st, int64_t k, int32_t b) except -1 nogil:
     cdef int32_t h = head_of(st, k), x
     cdef Blk* q = B(st, b)
+    st.forgets += 1
     if h == b:
         set_head(st, k, q.hnext)
     else:
@@ -560,6 +613,19 @@ cdef int cache_blocks(St* st, Rq* q, int64_t tokens) except -1 nogil:
     return 0
 
 
+cdef void mark_cached(St* st, Rq* q, int64_t tokens) noexcept nogil:
+    """cache_blocks for content only q has, when q finishes: keyed, not findable."""
+    cdef int64_t full = imin(tokens, q.prompt + q.outputs) // st.P.bs, i
+    cdef Blk* blk
+    for i in range(q.cached, full):
+        blk = B(st, BL(st, q)[i])
+        if blk.key == NOKEY:
+            st.serial_key -= 1
+            blk.key = st.serial_key
+    if full > q.cached:
+        q.cached = full
+
+
 cdef int release(St* st, Rq* q) except -1 nogil:
     """Free q's blocks tail first: cached ones to the back, the rest to the front."""
     cdef int64_t i, nf = 0
@@ -668,7 +734,21 @@ cdef Batch* ring_new(St* st) noexcept nogil:
     b.n_ent = b.nlive = b.n_samp = 0
     b.carried = b.has_new = False
     b.pre = b.dec = b.dctx = b.patt = b.admitted = b.preempted = 0
+    b.vt = st.vt
+    b.lazy_n = 0
     return b
+
+
+cdef int ent_append(Batch* b, int32_t s, int64_t n) except -1 nogil:
+    """An entry added to a batch already formed (sched_add is for the one being formed)."""
+    if b.n_ent == b.cap_ent:
+        mem_reserve(<void**>&b.ent_s, &b.cap_ent, b.n_ent + 1, 16, sizeof(int32_t))
+        b.cap_ent = b.n_ent
+        mem_reserve(<void**>&b.ent_n, &b.cap_ent, b.n_ent + 1, 16, sizeof(int64_t))
+    b.ent_s[b.n_ent] = s
+    b.ent_n[b.n_ent] = n
+    b.n_ent += 1
+    return 0
 
 
 cdef inline bint fits(St* st, Batch* b, int64_t n) noexcept nogil:
@@ -680,6 +760,404 @@ cdef inline bint fits(St* st, Batch* b, int64_t n) noexcept nogil:
         if b.ent_n[i] > longest:
             longest = b.ent_n[i]
     return (b.nlive + 1) * longest <= st.P.token_budget
+
+
+# ---------------------------------------------------------------------------
+# Lazy decodes
+# ---------------------------------------------------------------------------
+#
+# A running request that decodes one token per batch, in step with the engine,
+# is folded into an aggregate, as in _replay_c: its context is base + vt and
+# its outputs (delivered or in flight) obase + vt, where vt counts batches. A
+# batch serves every lazy decode with one count, one context sum and the
+# decodes whose context sits on a block boundary (the bucket of that phase),
+# which take a block each, in running order among the explicit requests'
+# allocations, so that every block id is the twin's. Two event heaps say when a
+# lazy stops being served (served_until) and when its last output lands
+# (t_last). A batch that needs each request's place (a preemption, a budget cut
+# before a lazy) makes every request explicit first and folds them back after.
+#
+# What a lazy defers is the caching of the blocks its decodes fill: their
+# content is its own (a key no other request looks up), so they only matter
+# where it releases them (cached to the back of the free queue) or is looked at
+# (last_blocks); unlazy() caches them as the twin would have by then.
+
+cdef inline int64_t pmod(int64_t a, int64_t b) noexcept nogil:
+    cdef int64_t r = a % b
+    return r + b if r < 0 else r
+
+
+cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
+    cdef int64_t i, p
+    cdef Ev e
+    if q.n == q.cap:
+        mem_reserve(<void**>&q.e, &q.cap, q.n + 1, 64, sizeof(Ev))
+    e.key = key
+    e.slot = slot
+    e.gen = gen
+    i = q.n
+    q.n += 1
+    while i > 0:
+        p = (i - 1) >> 1
+        if q.e[p].key <= key:
+            break
+        q.e[i] = q.e[p]
+        i = p
+    q.e[i] = e
+    return 0
+
+
+cdef void sift_down(EvQ* q, int64_t i, Ev e) noexcept nogil:
+    """Place e at i of the heap's first q.n entries, moving smaller children up."""
+    cdef int64_t c
+    while True:
+        c = 2 * i + 1
+        if c >= q.n:
+            break
+        if c + 1 < q.n and q.e[c + 1].key < q.e[c].key:
+            c += 1
+        if e.key <= q.e[c].key:
+            break
+        q.e[i] = q.e[c]
+        i = c
+    q.e[i] = e
+
+
+cdef void heap_pop(EvQ* q) noexcept nogil:
+    q.n -= 1
+    if q.n > 0:
+        sift_down(q, 0, q.e[q.n])
+
+
+cdef void heap_compact(St* st, EvQ* q) noexcept nogil:
+    """Drop the stale events (every materialised batch leaves one pair per lazy)."""
+    cdef int64_t i, n = 0
+    cdef Rq* r
+    for i in range(q.n):
+        r = R(st, q.e[i].slot)
+        if r.lazy and r.gen == q.e[i].gen:
+            q.e[n] = q.e[i]
+            n += 1
+    q.n = n
+    for i in range(n // 2 - 1, -1, -1):
+        sift_down(q, i, q.e[i])
+
+
+cdef Ev* heap_top(St* st, EvQ* q) noexcept nogil:
+    """The earliest event still current (stale ones dropped), or NULL."""
+    cdef Rq* r
+    while q.n:
+        r = R(st, q.e[0].slot)
+        if r.lazy and r.gen == q.e[0].gen:
+            return &q.e[0]
+        heap_pop(q)
+    return NULL
+
+
+cdef int bk_insert(St* st, int32_t s) except -1 nogil:
+    cdef Rq* q = R(st, s)
+    cdef Bucket* k = &st.bk[pmod(q.base, st.P.bs)]
+    cdef int64_t i, o = q.ord
+    if k.n == k.cap:
+        mem_reserve(<void**>&k.s, &k.cap, k.n + 1, 8, sizeof(int32_t))
+    i = k.n
+    while i > 0 and R(st, k.s[i - 1]).ord > o:
+        k.s[i] = k.s[i - 1]
+        i -= 1
+    k.s[i] = s
+    k.n += 1
+    st.bk_dirty = True
+    return 0
+
+
+cdef void bk_remove(St* st, int32_t s, int64_t base) noexcept nogil:
+    cdef Bucket* k = &st.bk[pmod(base, st.P.bs)]
+    cdef int64_t i, j
+    for i in range(k.n):
+        if k.s[i] == s:
+            for j in range(i, k.n - 1):
+                k.s[j] = k.s[j + 1]
+            k.n -= 1
+            return
+
+
+cdef int ex_append(St* st, int32_t s) except -1 nogil:
+    if st.n_ex == st.cap_ex:
+        mem_reserve(<void**>&st.ex, &st.cap_ex, st.n_ex + 1, 64, sizeof(int32_t))
+    st.ex[st.n_ex] = s
+    st.n_ex += 1
+    return 0
+
+
+cdef int ex_insert(St* st, int32_t s) except -1 nogil:
+    """Into ex at its place in running order."""
+    cdef int64_t i, o = R(st, s).ord
+    ex_append(st, s)
+    i = st.n_ex - 1
+    while i > 0 and R(st, st.ex[i - 1]).ord > o:
+        st.ex[i] = st.ex[i - 1]
+        i -= 1
+    st.ex[i] = s
+    return 0
+
+
+cdef void ex_remove(St* st, int32_t s) noexcept nogil:
+    cdef int64_t i, j
+    for i in range(st.n_ex):
+        if st.ex[i] == s:
+            for j in range(i, st.n_ex - 1):
+                st.ex[j] = st.ex[j + 1]
+            st.n_ex -= 1
+            return
+
+
+cdef bint foldable(St* st, int32_t s, Batch* u) noexcept nogil:
+    """Did s decode one token in u, in the steady state a lazy's formulas assume?"""
+    cdef Rq* q = R(st, s)
+    if s == st.new_slot or q.lazy or q.status != S_RUNNING or not q.prefilled:
+        return False
+    if q.in_batch != u.serial or u.ent_n[q.sched_pos] != 1:
+        return False
+    if st.P.depth > 1:
+        # (batch u in flight, the one before it processed)
+        if q.ph != 1 or q.inflight != 1 or q.computed != q.prompt + q.outputs:
+            return False
+    elif q.ph != 0 or q.inflight != 0 or q.computed != q.prompt + q.outputs - 1:
+        return False
+    # Blocks exactly for its context, and no known content past its cached
+    # blocks (a lazy's next full blocks hold content only it has).
+    return q.nblk == cdiv(q.computed, st.P.bs) and q.nkeys <= q.cached
+
+
+cdef bint lazify(St* st, int32_t s) except -1 nogil:
+    """Fold s (foldable) into the aggregate from the next batch on: True if folded."""
+    cdef Rq* q = R(st, s)
+    cdef int64_t v = st.vt
+    cdef int64_t pending = q.outputs + q.ph
+    cdef int64_t t_last = q.target - pending + v - 1
+    cdef int64_t su = t_last
+    if t_last < v:
+        return False  # its last output is in flight already
+    if st.P.depth > 1 and q.target < q.limit:
+        su += 1  # async: a stop the scheduler cannot foresee costs one wasted token
+    if st.P.mml and q.computed + (su - v) > st.P.mml - 2:
+        return False  # it would reach max_model_len while lazy
+    q.base = q.computed - v
+    q.obase = pending - v
+    q.served_until = su
+    q.t_last = t_last
+    q.lazy_since = v
+    q.lazy = 1
+    q.gen += 1
+    st.n_lazy += 1
+    st.s_base += q.base
+    bk_insert(st, s)
+    # Valid events number one per lazy: past four times that, compact
+    # (amortised O(1) a push).
+    if st.leave.n > 4 * st.n_lazy + 64:
+        heap_compact(st, &st.leave)
+        heap_compact(st, &st.rel)
+    heap_push(&st.leave, su, s, q.gen)
+    heap_push(&st.rel, t_last, s, q.gen)
+    return True
+
+
+cdef int unlazy(St* st, int32_t s, bint finishing, bint in_bucket) except -1 nogil:
+    """Make s explicit as it stands now (before st.vt is formed; batches up to
+    st.vt_done processed). Unless it is finishing, the batches in flight that
+    served it lazily get its entries, so that processing them delivers its tokens.
+    """
+    cdef Rq* q = R(st, s)
+    cdef int64_t last = imin(st.vt - 1, q.served_until)
+    cdef int64_t inflight = imax(last - imax(st.vt_done, q.lazy_since - 2), 0)
+    cdef int64_t j, upto
+    cdef Batch* b
+    q.lazy = 0
+    q.gen += 1
+    st.n_lazy -= 1
+    st.s_base -= q.base
+    if in_bucket:
+        bk_remove(st, s, q.base)
+    q.computed = q.base + last + 1
+    q.outputs = q.obase + last + 1 - inflight
+    q.inflight = inflight
+    q.ph = inflight if st.P.depth > 1 else 0
+    # The twin cached its full blocks when it scheduled each decode (up to
+    # the context, capped at its outputs) and, async, when each token landed;
+    # async, the latest decode's block waits for that decode's own token.
+    upto = q.computed - 1 if st.P.depth > 1 and last > st.vt_done else q.computed
+    if finishing:
+        # Its content goes nowhere but the back of the free queue: no one
+        # will look it up, so it need not enter the content map.
+        mark_cached(st, q, upto)
+        return 0
+    cache_blocks(st, q, upto)
+    for j in range(st.ring_n):
+        b = &st.ring[(st.ring_head + j) % 3]
+        if st.vt_done < b.vt <= last and b.vt >= q.lazy_since:
+            ent_append(b, s, 1)
+            samp_add(b, s, 1)
+    return 0
+
+
+cdef int materialize(St* st) except -1 nogil:
+    """Every lazy explicit, in running order (a batch formed request by request)."""
+    cdef int64_t i
+    cdef int32_t s
+    st.materialized = True
+    if st.n_lazy == 0:
+        return 0
+    # Empty the buckets at once when there are few; with many (large blocks),
+    # each lazy leaves its own, short, one.
+    cdef bint each = st.P.bs > 64
+    for i in range(st.n_run):
+        s = st.run[i]
+        if R(st, s).lazy:
+            unlazy(st, s, False, each)
+    if not each:
+        for i in range(st.P.bs):
+            st.bk[i].n = 0
+        st.bk_dirty = False
+    return 0
+
+
+cdef int pop_leaves(St* st) except -1 nogil:
+    """Lazies served for the last time stay running, explicit, until their output lands."""
+    cdef Ev* e
+    cdef int32_t s
+    while True:
+        e = heap_top(st, &st.leave)
+        if e == NULL or e.key >= st.vt:
+            return 0
+        s = e.slot
+        heap_pop(&st.leave)
+        unlazy(st, s, False, True)
+        ex_insert(st, s)
+
+
+cdef int fold(St* st, Batch* u) except -1 nogil:
+    """After batch u: fold its steady decodes; after a materialised batch, rebuild ex."""
+    cdef int64_t i, k = 0
+    cdef int32_t s
+    if st.materialized:
+        st.n_ex = 0
+        for i in range(st.n_run):
+            s = st.run[i]
+            if not (st.fold_ok and foldable(st, s, u) and lazify(st, s)):
+                ex_append(st, s)
+        st.materialized = False
+        return 0
+    if not st.fold_ok:
+        return 0
+    for i in range(st.n_ex):
+        s = st.ex[i]
+        if not (foldable(st, s, u) and lazify(st, s)):
+            st.ex[k] = s
+            k += 1
+    st.n_ex = k
+    return 0
+
+
+cdef int64_t running_want(St* st, Batch* b, Rq* q, int64_t cap) noexcept nogil:
+    """serve_running's tokens for q before the budget bounds them (0: skipped)."""
+    cdef int64_t n
+    if q.in_batch == b.serial or (q.ph > 0 and q.outputs + q.ph >= q.limit):
+        return 0
+    n = q.prompt + q.outputs + q.ph - q.computed
+    if 0 < cap < n:
+        n = cap
+    if st.P.mml:
+        n = imin(n, st.P.mml - q.computed - 1)
+    return n
+
+
+cdef bint fast_ok(St* st, Batch* b, int64_t budget, int64_t cap) except -1 nogil:
+    """Can the running stage be formed with the lazies as an aggregate?
+
+    Yes when no one is preempted and every lazy is served: every request gets
+    what it wants, or the budget runs out at an explicit request that no lazy
+    follows in running order. Grants go to st.grant, one per entry of ex.
+    """
+    cdef int64_t i, p, n, tok = st.n_lazy, blk, cut = -1, bs = st.P.bs
+    cdef Rq* q
+    if st.n_lazy > budget:
+        return False
+    blk = st.bk[pmod(-st.vt, bs)].n if st.n_lazy else 0
+    if st.n_ex > st.cap_grant:
+        mem_reserve(<void**>&st.grant, &st.cap_grant, st.n_ex, 64, sizeof(int64_t))
+    for i in range(st.n_ex):
+        q = R(st, st.ex[i])
+        n = running_want(st, b, q, cap)
+        if cut >= 0 or n <= 0:
+            st.grant[i] = 0
+            continue
+        if tok + n > budget:
+            n = budget - tok
+            if n <= 0:
+                return False
+            cut = i
+        st.grant[i] = n
+        tok += n
+        if q.computed + n > q.nblk * bs:
+            blk += cdiv(q.computed + n, bs) - q.nblk
+    if cut >= 0 and st.n_lazy:
+        p = st.n_run - 1
+        while p >= 0 and not R(st, st.run[p]).lazy:
+            p -= 1
+        if p >= 0 and R(st, st.run[p]).ord > R(st, st.ex[cut]).ord:
+            return False
+    return blk + st.P.one_free <= st.n_free
+
+
+cdef int64_t serve_fast(St* st, Batch* b, int64_t budget) except -2 nogil:
+    """The running stage once fast_ok holds: lazies as one, explicit ones by grant."""
+    cdef Bucket* k = &st.bk[pmod(-st.vt, st.P.bs)]
+    cdef int64_t i, j = 0, n, o
+    cdef int32_t s
+    for i in range(st.n_ex):
+        n = st.grant[i]
+        if n <= 0:
+            continue
+        s = st.ex[i]
+        o = R(st, s).ord
+        if st.n_lazy:
+            while j < k.n and R(st, k.s[j]).ord < o:
+                allocate(st, R(st, k.s[j]), 1)
+                j += 1
+        grow(st, b, s, n, &budget)
+        sched_add(st, b, s, n)
+        budget -= n
+    if st.n_lazy:
+        while j < k.n:
+            allocate(st, R(st, k.s[j]), 1)
+            j += 1
+        b.dec += st.n_lazy
+        b.dctx += st.s_base + st.n_lazy * st.vt
+        b.nlive += st.n_lazy
+        b.lazy_n = st.n_lazy
+        st.lazy_batches += 1
+        budget -= st.n_lazy
+    return budget
+
+
+cdef int settle(St* st) except -1 nogil:
+    """Every lazy explicit where the replay stopped (for last_blocks)."""
+    cdef int64_t i
+    cdef int32_t s
+    if st.n_lazy == 0:
+        return 0
+    # Empty the buckets at once when there are few; with many (large blocks),
+    # each lazy leaves its own, short, one.
+    cdef bint each = st.P.bs > 64
+    for i in range(st.n_run):
+        s = st.run[i]
+        if R(st, s).lazy:
+            unlazy(st, s, False, each)
+    if not each:
+        for i in range(st.P.bs):
+            st.bk[i].n = 0
+        st.bk_dirty = False
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -779,13 +1257,19 @@ cdef inline int64_t watermark(St* st) noexcept nogil:
 
 cdef int64_t lookup(St* st, Rq* q, int64_t most) except -1 nogil:
     """The cached blocks matching q's keys from the start (into st.hit): their count."""
-    cdef int64_t i, n = imin(q.nkeys, most)
+    cdef int64_t i = 0, n = imin(q.nkeys, most)
     cdef int32_t h
     cdef int64_t* keys
     if n > st.cap_hit:
         mem_reserve(<void**>&st.hit, &st.cap_hit, n, 64, sizeof(int32_t))
+    if q.phit and st.forgets == 0:
+        # Until a block's content is forgotten, the first holder of every key
+        # the prepared pool held is still the one it had (a key gains holders at
+        # the end of its chain); what the replay cached since is probed below.
+        i = imin(q.phit, n)
+        memcpy(st.hit, st.phb + q.ph_off, sizeof(int32_t) * i)
     keys = KL(st, q)
-    for i in range(n):
+    for i in range(i, n):
         h = head_of(st, keys[i])
         if h == NIL:
             return i
@@ -858,6 +1342,10 @@ cdef int64_t admit(St* st, Batch* b, int64_t budget, int64_t cap) except -2 nogi
         q.status = S_RUNNING
         st.run[st.n_run] = s
         st.n_run += 1
+        q.ord = st.ord_next
+        st.ord_next += 1
+        if st.lazy_ok and not st.materialized:
+            ex_append(st, s)
         sched_add(st, b, s, n)
         b.admitted += 1
         budget -= n
@@ -901,17 +1389,26 @@ cdef int schedule(St* st, Batch* b) except -1 nogil:
     cdef int32_t i, stage
     if cap and P.cap_exempt_alone and st.n_run + st.wq_n <= 1:
         cap = 0
+    if st.lazy_ok and not st.materialized:
+        pop_leaves(st)
     for i in range(P.n_stages):
         stage = P.stages[i]
         if stage == STAGE_WAITING:
             if b.preempted and not P.admit_after_preemption:
                 continue
             budget = admit(st, b, budget, cap)
+        elif st.lazy_ok and not st.materialized:
+            if fast_ok(st, b, budget, cap):
+                budget = serve_fast(st, b, budget)
+            else:
+                materialize(st)
+                budget = serve_running(st, b, budget, cap, stage)
         else:
             budget = serve_running(st, b, budget, cap, stage)
         if P.exclusive and b.nlive:
             break
     after_schedule(st, b)
+    st.vt += 1
     return 0
 
 
@@ -920,20 +1417,29 @@ cdef int schedule(St* st, Batch* b) except -1 nogil:
 # ---------------------------------------------------------------------------
 
 cdef int process(St* st, Batch* b) except -1 nogil:
-    cdef int64_t i, got, bs = st.P.bs
+    cdef int64_t i, j, got, bs = st.P.bs, nfin = 0
     cdef int32_t s
     cdef Rq* q
+    cdef Ev* e
     cdef bint is_async = st.P.depth > 1
+    # With lazies about, finishes are released together, in running order.
+    cdef bint lz = st.lazy_ok and not b.carried
+    if lz:
+        st.vt_done = b.vt
+        if b.n_samp + st.n_lazy > st.cap_fin:
+            mem_reserve(<void**>&st.fin, &st.cap_fin, b.n_samp + st.n_lazy, 64, sizeof(int32_t))
     for i in range(b.n_ent):
         if b.ent_n[i] >= 0:
-            R(st, b.ent_s[i]).inflight -= b.ent_n[i]
+            q = R(st, b.ent_s[i])
+            if not q.lazy:
+                q.inflight -= b.ent_n[i]
     if b.carried:
         for i in range(b.n_samp):
             R(st, b.samp[i]).inflight -= b.got[i]
     for i in range(b.n_samp):
         s = b.samp[i]
         q = R(st, s)
-        if q.status == S_FINISHED:
+        if q.status == S_FINISHED or q.lazy:
             continue
         got = b.got[i]
         if q.status == S_WAITING:
@@ -952,8 +1458,38 @@ cdef int process(St* st, Batch* b) except -1 nogil:
                 cache_blocks(st, q, q.computed - q.inflight)
         if q.outputs >= q.target:
             q.status = S_FINISHED
-            release(st, q)
-            run_remove(st, s)
+            if lz:
+                st.fin[nfin] = s
+                nfin += 1
+            else:
+                release(st, q)
+                run_remove(st, s)
+    if not lz:
+        if b.carried:
+            st.fold_ok = True
+        return 0
+    while True:
+        e = heap_top(st, &st.rel)
+        if e == NULL or e.key > b.vt:
+            break
+        s = e.slot
+        heap_pop(&st.rel)
+        unlazy(st, s, True, True)
+        R(st, s).status = S_FINISHED
+        st.fin[nfin] = s
+        nfin += 1
+    for i in range(1, nfin):
+        s = st.fin[i]
+        j = i
+        while j > 0 and R(st, st.fin[j - 1]).ord > R(st, s).ord:
+            st.fin[j] = st.fin[j - 1]
+            j -= 1
+        st.fin[j] = s
+    for i in range(nfin):
+        s = st.fin[i]
+        release(st, R(st, s))
+        run_remove(st, s)
+        ex_remove(st, s)
     return 0
 
 
@@ -963,7 +1499,9 @@ cdef int process(St* st, Batch* b) except -1 nogil:
 
 cdef int log_batch(St* st, Batch* b, double dt) except -1 nogil:
     cdef int64_t* e
-    cdef int64_t i
+    cdef int64_t i, n
+    cdef int32_t s
+    cdef Rq* q
     mem_reserve(<void**>&st.log, &st.cap_log, st.n_log + LOG_W, 64 * LOG_W, sizeof(int64_t))
     mem_reserve(<void**>&st.tlog, &st.cap_tlog, st.n_tlog + 2 * b.nlive, 256, sizeof(int64_t))
     e = st.log + st.n_log
@@ -978,6 +1516,21 @@ cdef int log_batch(St* st, Batch* b, double dt) except -1 nogil:
     e[8] = st.n_tlog
     e[9] = b.nlive
     st.n_log += LOG_W
+    if b.lazy_n:
+        # Lazies have no entries: the running list gives the batch's order.
+        for i in range(st.n_run):
+            s = st.run[i]
+            q = R(st, s)
+            if q.lazy:
+                n = 1
+            elif q.in_batch == b.serial and b.ent_n[q.sched_pos] >= 0:
+                n = b.ent_n[q.sched_pos]
+            else:
+                continue
+            st.tlog[st.n_tlog] = s
+            st.tlog[st.n_tlog + 1] = n
+            st.n_tlog += 2
+        return 0
     for i in range(b.n_ent):
         if b.ent_n[i] >= 0:
             st.tlog[st.n_tlog] = b.ent_s[i]
@@ -1036,10 +1589,14 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
         if (b.nlive and st.k >= max_batches) or st.work >= st.max_work:
             return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         if st.ring_n < st.P.depth:
+            if st.lazy_ok:
+                fold(st, b)
             continue
         process(st, &st.ring[st.ring_head])
         st.ring_head = (st.ring_head + 1) % 3
         st.ring_n -= 1
+        if st.lazy_ok:
+            fold(st, b)
 
 
 # ---------------------------------------------------------------------------
@@ -1064,6 +1621,35 @@ cdef list _key_list(object prefix_keys):
         raise ValueError(
             f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
     return keys
+
+
+cdef class _I64:
+    """An int64 buffer freed with its owner (prepare's scratch)."""
+
+    cdef int64_t* v
+
+    def __cinit__(self, Py_ssize_t n):
+        self.v = <int64_t*>mem_alloc(n, sizeof(int64_t))
+
+    def __dealloc__(self):
+        free(self.v)
+
+
+cdef inline tuple _as_tuple(object x):
+    return <tuple>x if type(x) is tuple else tuple(x)
+
+
+cdef inline bint _index_in(object v, int64_t stop, int64_t* out):
+    """v is an int in [0, stop) (a bool or a float is not); its value in out."""
+    cdef int overflow = 0
+    cdef long long x
+    if not PyLong_CheckExact(v):
+        return False
+    x = PyLong_AsLongLongAndOverflow(v, &overflow)
+    if overflow or x < 0 or x >= stop:
+        return False
+    out[0] = x
+    return True
 
 
 cdef inline int64_t pow2_at_least(int64_t n) noexcept:
@@ -1093,6 +1679,7 @@ cdef class Prepared:
     cdef int64_t ht_mask
     cdef int32_t* bb
     cdef int64_t* kb
+    cdef int32_t* phb
     cdef int32_t* b0
     cdef int64_t* b0_got
     cdef int64_t n_b0
@@ -1109,6 +1696,7 @@ cdef class Prepared:
         free(self.ht)
         free(self.bb)
         free(self.kb)
+        free(self.phb)
         free(self.b0)
         free(self.b0_got)
 
@@ -1174,6 +1762,14 @@ cdef class Replayer:
         p = policy
         read_policy(&self.P, p)
         self.st.P = &self.P
+        cdef Params* P = &self.P
+        # Lazy decodes need the running list served in order before admissions,
+        # and a budget that counts tokens.
+        self.st.lazy_ok = (P.n_stages == 2 and P.stages[0] == STAGE_RUNNING
+                           and P.stages[1] == STAGE_WAITING and not P.padded
+                           and not P.exclusive)
+        self.st.bk = <Bucket*>mem_alloc(P.bs, sizeof(Bucket))
+        memset(self.st.bk, 0, sizeof(Bucket) * P.bs)
 
     def __dealloc__(self):
         cdef St* st = &self.st
@@ -1194,6 +1790,15 @@ cdef class Replayer:
         free(st.tlog)
         free(st.tok_k)
         free(st.tok_t)
+        free(st.ex)
+        free(st.grant)
+        free(st.fin)
+        free(st.leave.e)
+        free(st.rel.e)
+        if st.bk != NULL:
+            for i in range(self.P.bs):
+                free(st.bk[i].s)
+            free(st.bk)
         for i in range(3):
             free(st.ring[i].ent_s)
             free(st.ring[i].ent_n)
@@ -1232,11 +1837,18 @@ cdef class Replayer:
         if n > 0x7fffffff - 16:
             raise ValueError(f"table has too many rows for one replay (got {n})")
         # What the wire validator guarantees, checked again: a state built in
-        # code reaches the C arrays below only within their bounds.
-        for i, k in enumerate(keys):
-            if type(k) is not int or not 0 <= k <= KEY_MASK:
+        # code reaches the C arrays below only within their bounds. The keys
+        # become a C array once; every later read is an index into it.
+        cdef tuple kt = keys if type(keys) is tuple else tuple(keys)
+        cdef Py_ssize_t nkeys_all = len(kt)
+        cdef object ko
+        cdef _I64 kc = _I64(nkeys_all)
+        for i in range(nkeys_all):
+            ko = <object>PyTuple_GET_ITEM(kt, i)
+            if not (PyLong_CheckExact(ko) and _PyLong_Sign(ko) >= 0 and _PyLong_NumBits(ko) <= 63):
                 raise ValueError(
-                    f"prefix_cache.keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
+                    f"prefix_cache.keys[{i}] must be an integer in [0, 2**63) (got {short_repr(ko)})")
+            kc.v[i] = <int64_t>PyLong_AsUnsignedLongLongMask(ko)
         nb = ncached
         for i in range(n):
             if type(uncached[i]) is not int or uncached[i] < 0:
@@ -1268,35 +1880,39 @@ cdef class Replayer:
         cdef Blk* q
         for b in range(nb):
             q = &pr.bl[b]
-            q.key = keys[b] if b < ncached else NOKEY
+            q.key = kc.v[b] if b < ncached else NOKEY
             q.ref = 0
             q.hnext = q.fprev = q.fnext = NIL
         # Requests' blocks and keys, and the reference counts they imply.
         cdef int64_t off_b = 0, off_k = 0, own = ncached, kk
         cdef Rq* r
-        nkeys_all = len(keys)
+        cdef tuple seq
+        cdef Py_ssize_t m
         for i in range(n):
             r = &pr.r[i]
             r.blk_off = off_b
             r.key_off = off_k
-            for j, b in enumerate(blocks[i]):
-                if not 0 <= b < ncached:
-                    raise ValueError(f"request {i}: cached block {short_repr(b)} out of range")
+            seq = _as_tuple(blocks[i])
+            for m in range(len(seq)):
+                ko = <object>PyTuple_GET_ITEM(seq, m)
+                if not _index_in(ko, ncached, &b):
+                    raise ValueError(f"request {i}: cached block {short_repr(ko)} out of range")
                 pr.bl[b].ref += 1
                 pr.bb[off_b] = <int32_t>b
                 off_b += 1
-                pr.kb[off_k] = keys[b]
+                pr.kb[off_k] = kc.v[b]
                 off_k += 1
             for j in range(uncached[i]):
                 pr.bl[own].ref = 1
                 pr.bb[off_b] = <int32_t>own
                 off_b += 1
                 own += 1
-            for j in chains[i]:
-                if not 0 <= j < nkeys_all:
-                    raise ValueError(f"request {i}: chain key {short_repr(j)} out of range")
-                kk = keys[j]
-                pr.kb[off_k] = kk
+            seq = _as_tuple(chains[i])
+            for m in range(len(seq)):
+                ko = <object>PyTuple_GET_ITEM(seq, m)
+                if not _index_in(ko, nkeys_all, &kk):
+                    raise ValueError(f"request {i}: chain key {short_repr(ko)} out of range")
+                pr.kb[off_k] = kc.v[kk]
                 off_k += 1
             r.nblk = off_b - r.blk_off
             r.cached = len(blocks[i])
@@ -1381,6 +1997,7 @@ cdef class Replayer:
                     pr.b0[pr.n_b0] = <int32_t>i
                     pr.b0_got[pr.n_b0] = r.ph
                     pr.n_b0 += 1
+                r.ord = pr.n_run
                 pr.run[pr.n_run] = <int32_t>i
                 pr.n_run += 1
             else:
@@ -1393,6 +2010,24 @@ cdef class Replayer:
         pr.fq_head = tmp.fq_head
         pr.fq_tail = tmp.fq_tail
         pr.n_free = tmp.n_free
+        # Each waiting request's hit on this pool, found once here rather than
+        # in every replay (lookup() uses it while nothing is evicted).
+        cdef int64_t total_h = 0, off_h = 0, h
+        for i in range(pr.wq_n):
+            total_h += pr.r[pr.wq[i]].nkeys
+        pr.phb = <int32_t*>mem_alloc(total_h, sizeof(int32_t))
+        for i in range(pr.wq_n):
+            r = &pr.r[pr.wq[i]]
+            r.ph_off = off_h
+            h = 0
+            while h < r.nkeys:
+                x = ht_get(pr.ht, pr.ht_mask, pr.kb[r.key_off + h])
+                if x == NIL:
+                    break
+                pr.phb[off_h + h] = x
+                h += 1
+            r.phit = h
+            off_h += h
         return pr
 
     cdef void _init_req(self, Rq* q, int64_t prompt, int64_t outputs, int64_t output_len,
@@ -1494,6 +2129,8 @@ cdef class Replayer:
         st.ak_n = 0
         st.pbb = pr.bb
         st.pkb = pr.kb
+        st.phb = pr.phb
+        st.forgets = 0
         st.ring_head = 0
         st.ring_n = 0
         st.k = 0
@@ -1530,9 +2167,25 @@ cdef class Replayer:
         # first turn when that is now).
         st.arrival = arrival
         st.pending_new = True
+        st.vt = 0
+        st.vt_done = -1
+        st.n_lazy = 0
+        st.s_base = 0
+        st.ord_next = pr.n_run
+        st.lazy_batches = 0
+        st.materialized = True
+        st.fold_ok = not pr.has_inflight
+        st.n_ex = 0
+        st.leave.n = 0
+        st.rel.n = 0
+        if st.bk_dirty:
+            for i in range(self.P.bs):
+                st.bk[i].n = 0
+            st.bk_dirty = False
         if pr.has_inflight:
             b0 = ring_new(st)
             b0.carried = True
+            b0.vt = -1
             for i in range(pr.n_b0):
                 samp_add(b0, pr.b0[i], pr.b0_got[i])
         return 0
@@ -1608,6 +2261,11 @@ cdef class Replayer:
         return self.st.new_seen
 
     @property
+    def last_lazy_batches(self):
+        """Batches of the latest replay that served decodes as an aggregate."""
+        return self.st.lazy_batches
+
+    @property
     def last_pool(self):
         """``(free blocks, running, waiting, named blocks)`` where the latest replay stopped."""
         return (self.st.n_free, self.st.n_run, self.st.wq_n, self.st.nb)
@@ -1625,6 +2283,7 @@ cdef class Replayer:
         cdef int64_t b
         cdef int32_t node
         cdef Blk* q
+        settle(st)
         refs = []
         keys = []
         for b in range(st.nb):

@@ -35,6 +35,41 @@ POLICIES = {
     },
     "async-roomy": {"num_gpu_blocks": 400, "async_scheduling": True},
 }
+# Fuller engines (24 sequences, many decodes a batch): the compiled loop folds
+# them into its aggregate, and budgets, seats and blocks run out among them.
+WIDE_POLICIES = {
+    "wide-async": {
+        "num_gpu_blocks": 260,
+        "async_scheduling": True,
+        "max_num_seqs": 24,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+    },
+    "wide-sync": {
+        "num_gpu_blocks": 200,
+        "async_scheduling": False,
+        "max_num_seqs": 24,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+    },
+    "wide-async-lpt-bs8": {
+        "num_gpu_blocks": 300,
+        "async_scheduling": True,
+        "long_prefill_token_threshold": 40,
+        "block_size": 8,
+        "max_num_seqs": 24,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+    },
+    "wide-sync-bs128": {
+        "num_gpu_blocks": 48,
+        "async_scheduling": False,
+        "block_size": 128,
+        "max_num_seqs": 24,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+    },
+}
 
 
 def policy(name: str) -> bearsdk.BoundScheduler:
@@ -46,7 +81,7 @@ def policy(name: str) -> bearsdk.BoundScheduler:
             "max_num_seqs": 6,
             "max_model_len": 2048,
             "enable_prefix_caching": True,
-            **POLICIES[name],
+            **(POLICIES[name] if name in POLICIES else WIDE_POLICIES[name]),
         },
     )
 

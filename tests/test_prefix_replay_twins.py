@@ -20,7 +20,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_prefix_replay import POLICIES, policy, run_engine, tokens
+from test_prefix_replay import POLICIES, WIDE_POLICIES, policy, run_engine, tokens
 
 import bearsdk
 from bearsdk.replay import SchedulerCore
@@ -92,6 +92,47 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
     seed: int,
     follow: int,
 ) -> None:
+    _check_twins(name, arrivals, at, news, stop_after, seed, follow)
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_POLICIES))
+def test_the_compiled_pool_is_the_twins_with_many_decodes_a_batch(name: str) -> None:
+    # Up to 24 requests running: most batches serve their decodes as the
+    # compiled loop's aggregate, and some need each request's place (a
+    # preemption, a budget cut among them) and fold back.
+    folded = 0
+    for seed in range(16):
+        rng = random.Random(seed)
+        arrivals = [
+            (
+                rng.randint(0, 50),
+                rng.randint(0, 2),
+                rng.randint(0, 400),
+                rng.randint(1, 300),
+                rng.randint(1, 150),
+            )
+            for _ in range(rng.randint(10, 60))
+        ]
+        news = [
+            (rng.randint(0, 2), rng.randint(0, 400), rng.randint(1, 400), rng.randint(1, 40))
+            for _ in range(2)
+        ]
+        at, stop_after, follow = rng.randint(10, 70), rng.randint(1, 80), rng.choice([0, 3, 32])
+        folded += _check_twins(name, arrivals, at, news, stop_after, seed, follow)
+    assert folded > 100
+
+
+def _check_twins(
+    name: str,
+    arrivals: list[tuple[int, int, int, int, int]],
+    at: int,
+    news: list[tuple[int, int, int, int]],
+    stop_after: int,
+    seed: int,
+    follow: int,
+) -> int:
+    """Replay one engine's snapshot in both twins; the compiled loop's lazy batches."""
+    folded = 0
     pol, rng, snap = _run_engine(name, arrivals, at, seed)
     assert snap.kv is not None
     assert snap.prefix_cache is not None
@@ -156,8 +197,10 @@ def test_the_compiled_pool_is_the_twins_wherever_a_replay_stops(
                 len(refs),
             )
             assert cr.last_work > 0
+            folded += cr.last_lazy_batches
             # The residents alone (last: it replays over this replayer's pool).
             assert cr.residents(cp, COEFFS, stop_after) == py.residents(pp, COEFFS, stop_after)
+    return folded
 
 
 def test_a_replay_that_names_blocks_from_a_run_and_evicts_matches_the_twin() -> None:
