@@ -20,6 +20,7 @@ EXTENSIONS = {
     "bearsdk.replay._replay_apc_c": "cext/_replay_apc_c.pyx",
     "bearsdk.predictors._features_c": "cext/_features_c.pyx",
     "bearsdk._snapshot_c": "cext/_snapshot_c.pyx",
+    "bearsdk._prefix_cache_c": "cext/_prefix_cache_c.pyx",
     "bearsdk.io._shm_c": "cext/_shm_c.pyx",
     "bearsdk.kvevents._index_c": "cext/_index_c.pyx",
     "bearsdk.vllm._pub_c": "cext/_vllm_pub_c.pyx",

@@ -32,6 +32,7 @@ NO_EXTENSIONS: Final[bool] = os.environ.get("BEARSDK_NO_EXTENSIONS", "").strip()
 PAIRS: Final[dict[str, tuple[str, str]]] = {
     "replay": ("bearsdk.replay._replay_c", "bearsdk.replay._replay_py"),
     "snapshot": ("bearsdk._snapshot_c", "bearsdk.snapshot"),
+    "prefix-cache": ("bearsdk._prefix_cache_c", "bearsdk.prefix_cache"),
     "features": ("bearsdk.predictors._features_c", "bearsdk.predictors._features_py"),
     "shm": ("bearsdk.io._shm_c", "bearsdk.io._shm_py"),
     "vllm-publisher": ("bearsdk.vllm._pub_c", "bearsdk.vllm._pub_py"),

@@ -545,8 +545,13 @@ def _prefix_cache(
                         f"requests[{i}].{key}", "needs kv.prefix_cache (got none)", r[key]
                     )
         return None
+    raw = raw_kv["prefix_cache"]
+    if _validate_pc is not None:
+        pc = _validate_pc(raw, kv.block_size, kv.num_blocks, kv.free_blocks, reqs, rows)
+        if pc is not None:
+            return pc
     return prefix_cache_from_dict(
-        raw_kv["prefix_cache"],
+        raw,
         block_size=kv.block_size,
         num_blocks=kv.num_blocks,
         free_blocks=kv.free_blocks,
@@ -568,6 +573,13 @@ def _snapshot_from_parts(parts: tuple[Any, ...]) -> Snapshot:
         epoch=epoch,
     )
 
+
+_validate_pc: Callable[..., PrefixCacheState | None] | None = None
+"""The compiled ``kv.prefix_cache`` validator (``bearsdk._prefix_cache_c``); like the
+scanner it declines (None) whatever it does not fully understand, and the reference
+:func:`~bearsdk.prefix_cache.prefix_cache_from_dict` decides."""
+if _twins.compiled("bearsdk._prefix_cache_c") is not None:
+    from bearsdk._prefix_cache_c import validate as _validate_pc
 
 _scan: Callable[[object], tuple[Any, ...] | None] | None = None
 if _twins.compiled("bearsdk._snapshot_c") is not None:

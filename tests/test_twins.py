@@ -40,7 +40,8 @@ def test_every_selector_follows_the_switch(flag: str) -> None:
         " 'snapshot': 'python' if snapshot._scan is None else 'cython',"
         " 'features': _impl.IMPLEMENTATION, 'shm': shm.IMPLEMENTATION,"
         " 'vllm-publisher': publisher.IMPLEMENTATION,"
-        " 'prefix-index': index.IMPLEMENTATION}}))\n"
+        " 'prefix-index': index.IMPLEMENTATION,"
+        " 'prefix-cache': 'python' if snapshot._validate_pc is None else 'cython'}}))\n"
     )
     env = {**os.environ, "BEARSDK_NO_EXTENSIONS": flag}
     out = subprocess.run(

@@ -13,6 +13,12 @@ pure-Python reference) is timed for:
   (:class:`~bearsdk.estimators.RememberedLengths`) remembering every resident,
   so each one's own predicted length is looked up (what a router runs).
 
+Then prefix caching: the snapshots of a live prefix-caching engine (``vllm-v1``
+with ``enable_prefix_caching``, real shared token ids) behind 96 and 320 users of
+three long system prompts, whose ``kv.prefix_cache`` names every cached block and
+each request's blocks and chain, decoded with the extension validated by the
+compiled validator and by the reference alone.
+
 Then the shared-memory seqlock: one write and one read of that payload per
 implementation. ``--stress SECONDS`` adds the stress test: a writer process
 publishes snapshots at ``--rate`` per second (each byte of a payload is a
@@ -47,7 +53,7 @@ from bearsdk.io import shm
 from bearsdk.snapshot import decoders
 from bearsdk.state.cache import SnapshotCache
 
-__all__ = ["register", "run", "snapshot_doc", "stress", "stress_payload"]
+__all__ = ["apc_payload", "register", "run", "snapshot_doc", "stress", "stress_payload"]
 
 TARGET_US = 50.0
 COEFFS = BatchTimeModel(4.0e-3, 2.2e-5, 5.0e-8, 1.2e-10)
@@ -163,6 +169,7 @@ def run(rounds: int, requests: int = 64) -> dict[str, Any]:
         finally:
             snapmod._scan = saved
         report["decoders"][name] = {k: t.as_dict() for k, t in entry.items()}
+    report["prefix_cache"] = _apc(rounds)
     with tempfile.TemporaryDirectory() as tmp:
         path = shm.segment_path("bench", tmp)
         for name in shm.implementations():
@@ -182,6 +189,70 @@ def run(rounds: int, requests: int = 64) -> dict[str, Any]:
                         "read": time_call(read, batch=100, rounds=rounds).as_dict(),
                     }
     return report
+
+
+def apc_payload(users: int, seed: int = 6) -> bytes:
+    """A prefix-caching engine's snapshot: ``users`` users of three 1,500-token prompts."""
+    from bearsdk.replay.scheduler import SchedulerCore
+    from bearsdk.schedulers import bind_scheduler
+
+    rng = random.Random(seed)
+    core = SchedulerCore(
+        bind_scheduler(
+            "vllm-v1",
+            {
+                "max_num_batched_tokens": 2048,
+                "max_num_seqs": min(users, 256),
+                "block_size": 16,
+                "num_gpu_blocks": 40 * users,
+                "enable_prefix_caching": True,
+            },
+        )
+    )
+    systems = [[rng.randrange(1000, 150_000) for _ in range(1500)] for _ in range(3)]
+    queue: list[Any] = []
+    for u in range(users):
+        sp = rng.choices(range(3), [1.0, 0.5, 0.33])[0]
+        user = [rng.randrange(1000, 150_000) for _ in range(rng.randint(100, 400))]
+        out = [rng.randrange(1000, 150_000) for _ in range(rng.randint(30, 200))]
+        core.add_request(f"u{u}", 1500 + len(user), len(out), len(out), systems[sp] + user + out)
+        if u % 8 == 7:
+            for _ in range(3):
+                queue.append(core.schedule())
+                if len(queue) > 1:
+                    core.process(queue.pop(0))
+    return orjson.dumps({**core.snapshot(output_len=True), "instance": "bench"})
+
+
+def _apc(rounds: int) -> dict[str, Any]:
+    """Decode prefix-caching snapshots: compiled validator, and the reference alone."""
+    import bearsdk.snapshot as snapmod
+
+    out: dict[str, Any] = {}
+    for users in (96, 320):
+        payload = apc_payload(users)
+        doc = orjson.loads(payload)
+        pc = doc["kv"]["prefix_cache"]
+        entry: dict[str, Any] = {
+            "requests": len(doc["requests"]),
+            "keys": len(pc["keys"]),
+            "payload_bytes": len(payload),
+        }
+        saved = snapmod._validate_pc
+        try:
+            for name in ("compiled", "reference"):
+                if name == "reference":
+                    snapmod._validate_pc = None
+                elif saved is None:
+                    continue
+                t = time_call(
+                    partial(snapmod.decode_snapshot, payload), batch=2, rounds=max(20, rounds // 5)
+                )
+                entry[name] = t.as_dict()
+        finally:
+            snapmod._validate_pc = saved
+        out[str(users)] = entry
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -313,6 +384,14 @@ def _main(args: argparse.Namespace) -> int:
         for step, t in e.items():
             print(f"{name:8} {step:16} {t['median_us']:>9.2f} {t['p99_us']:>9.2f}")
     print(f"target: decode + cache update <= {TARGET_US:g} us")
+    print("prefix caching: decode with kv.prefix_cache, microseconds per snapshot")
+    for users, e in report["prefix_cache"].items():
+        line = f"  {users} users: {e['requests']} requests, {e['keys']} keys, "
+        line += f"{e['payload_bytes']} bytes;"
+        for name in ("compiled", "reference"):
+            if name in e:
+                line += f" {name} p50 {e[name]['median_us']:.0f} p99 {e[name]['p99_us']:.0f};"
+        print(line.rstrip(";"))
     print("shared-memory seqlock, one 64-request payload:")
     for name, e in report["shm"].items():
         for step, t in e.items():

@@ -255,22 +255,19 @@ class DispatchOverlay:
         if pc is not None and not run_rows:
             # Waiting dispatches hold no blocks: the block pool stands as it is,
             # and each hits what of its chain is cached at its admission.
-            keys = list(pc.keys)
-            index = {k: i for i, k in enumerate(keys)}
+            # Their keys join the key table as entries of their own: a chain
+            # names content by value (an entry past `cached` is no block), so
+            # nothing needs the snapshot's keys indexed.
+            added: list[int] = []
             chains = []
             for d in waiting:
-                chain = []
-                for k in d.prefix_keys:
-                    i = index.get(k)
-                    if i is None:
-                        i = index[k] = len(keys)
-                        keys.append(k)
-                    chain.append(i)
-                chains.append(tuple(chain))
+                start = len(pc.keys) + len(added)
+                added.extend(d.prefix_keys)
+                chains.append(tuple(range(start, start + len(d.prefix_keys))))
             extra = len(wait_rows)
             pc = attrs.evolve(
                 pc,
-                keys=tuple(keys),
+                keys=pc.keys + tuple(added),
                 blocks=pc.blocks + ((),) * extra,
                 uncached=pc.uncached + (0,) * extra,
                 chains=pc.chains + tuple(chains),
