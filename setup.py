@@ -55,7 +55,15 @@ def _extensions() -> list:
         Extension(name, [src], depends=shared, extra_compile_args=opt, define_macros=[])
         for name, src in EXTENSIONS.items()
     ]
-    return cythonize(exts, compiler_directives=directives, include_path=["cext"], quiet=True)
+    return cythonize(
+        exts, compiler_directives=directives, include_path=["cext"], quiet=True, nthreads=_jobs()
+    )
 
 
-setup(ext_modules=_extensions())
+def _jobs() -> int:
+    # Cython and the C compiler run per module; a fresh install builds them all
+    # (twice in CI: lint, then the README's test command), so use every core.
+    return max(1, min(len(EXTENSIONS), os.cpu_count() or 1))
+
+
+setup(ext_modules=_extensions(), options={"build_ext": {"parallel": _jobs()}})

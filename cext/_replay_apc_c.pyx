@@ -36,7 +36,7 @@ from cpython.tuple cimport PyTuple_GET_ITEM
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
+    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, Ev, ev_pop, ev_push, ev_sift_down, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
     horizon_arg, imax, imin, output_limit, output_target, read_coeffs, read_policy, tokens_arg,
     tokens_wanted,
 )
@@ -134,12 +134,7 @@ ctypedef struct HEnt:
     int64_t key
     int32_t head        # first holder; -1: empty slot
 
-ctypedef struct Ev:
-    int64_t key         # a vt
-    int32_t slot
-    int32_t gen
-
-ctypedef struct EvQ:    # a binary min-heap on key; stale events are skipped
+ctypedef struct EvQ:    # a binary min-heap (_replay_defs' Ev); stale events are skipped
     Ev* e
     int64_t n
     int64_t cap
@@ -787,46 +782,12 @@ cdef inline int64_t pmod(int64_t a, int64_t b) noexcept nogil:
     return r + b if r < 0 else r
 
 
-cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
-    cdef int64_t i, p
-    cdef Ev e
-    if q.n == q.cap:
-        mem_reserve(<void**>&q.e, &q.cap, q.n + 1, 64, sizeof(Ev))
-    e.key = key
-    e.slot = slot
-    e.gen = gen
-    i = q.n
-    q.n += 1
-    while i > 0:
-        p = (i - 1) >> 1
-        if q.e[p].key <= key:
-            break
-        q.e[i] = q.e[p]
-        i = p
-    q.e[i] = e
-    return 0
+cdef inline int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
+    return ev_push(&q.e, &q.n, &q.cap, key, slot, gen)
 
 
-cdef void sift_down(EvQ* q, int64_t i, Ev e) noexcept nogil:
-    """Place e at i of the heap's first q.n entries, moving smaller children up."""
-    cdef int64_t c
-    while True:
-        c = 2 * i + 1
-        if c >= q.n:
-            break
-        if c + 1 < q.n and q.e[c + 1].key < q.e[c].key:
-            c += 1
-        if e.key <= q.e[c].key:
-            break
-        q.e[i] = q.e[c]
-        i = c
-    q.e[i] = e
-
-
-cdef void heap_pop(EvQ* q) noexcept nogil:
-    q.n -= 1
-    if q.n > 0:
-        sift_down(q, 0, q.e[q.n])
+cdef inline void heap_pop(EvQ* q) noexcept nogil:
+    ev_pop(q.e, &q.n)
 
 
 cdef void heap_compact(St* st, EvQ* q) noexcept nogil:
@@ -840,7 +801,7 @@ cdef void heap_compact(St* st, EvQ* q) noexcept nogil:
             n += 1
     q.n = n
     for i in range(n // 2 - 1, -1, -1):
-        sift_down(q, i, q.e[i])
+        ev_sift_down(q.e, n, i, q.e[i])
 
 
 cdef Ev* heap_top(St* st, EvQ* q) noexcept nogil:
@@ -1000,16 +961,15 @@ cdef int unlazy(St* st, int32_t s, bint finishing, bint in_bucket) except -1 nog
     return 0
 
 
-cdef int materialize(St* st) except -1 nogil:
-    """Every lazy explicit, in running order (a batch formed request by request)."""
+cdef int unlazy_all(St* st) except -1 nogil:
+    """Every lazy explicit, in running order."""
     cdef int64_t i
     cdef int32_t s
-    st.materialized = True
-    if st.n_lazy == 0:
-        return 0
     # Empty the buckets at once when there are few; with many (large blocks),
     # each lazy leaves its own, short, one.
     cdef bint each = st.P.bs > 64
+    if st.n_lazy == 0:
+        return 0
     for i in range(st.n_run):
         s = st.run[i]
         if R(st, s).lazy:
@@ -1019,6 +979,12 @@ cdef int materialize(St* st) except -1 nogil:
             st.bk[i].n = 0
         st.bk_dirty = False
     return 0
+
+
+cdef int materialize(St* st) except -1 nogil:
+    """Form this batch request by request (fold() folds them back after it)."""
+    st.materialized = True
+    return unlazy_all(st)
 
 
 cdef int pop_leaves(St* st) except -1 nogil:
@@ -1138,26 +1104,6 @@ cdef int64_t serve_fast(St* st, Batch* b, int64_t budget) except -2 nogil:
         st.lazy_batches += 1
         budget -= st.n_lazy
     return budget
-
-
-cdef int settle(St* st) except -1 nogil:
-    """Every lazy explicit where the replay stopped (for last_blocks)."""
-    cdef int64_t i
-    cdef int32_t s
-    if st.n_lazy == 0:
-        return 0
-    # Empty the buckets at once when there are few; with many (large blocks),
-    # each lazy leaves its own, short, one.
-    cdef bint each = st.P.bs > 64
-    for i in range(st.n_run):
-        s = st.run[i]
-        if R(st, s).lazy:
-            unlazy(st, s, False, each)
-    if not each:
-        for i in range(st.P.bs):
-            st.bk[i].n = 0
-        st.bk_dirty = False
-    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -2283,7 +2229,8 @@ cdef class Replayer:
         cdef int64_t b
         cdef int32_t node
         cdef Blk* q
-        settle(st)
+        # (the lazies' own blocks are cached when they become explicit)
+        unlazy_all(st)
         refs = []
         keys = []
         for b in range(st.nb):

@@ -29,9 +29,9 @@ from libc.string cimport memcpy, memset
 from _mem cimport mem_alloc, mem_reserve, mem_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
-    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs,
-    Params, arrival_arg, cdiv, horizon_arg, imax, imin, output_limit, output_target, read_coeffs,
-    read_policy, tokens_arg, tokens_wanted,
+    STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs, Ev,
+    Params, arrival_arg, cdiv, ev_less, ev_pop, ev_push, ev_sift_down, horizon_arg, imax, imin,
+    output_limit, output_target, read_coeffs, read_policy, tokens_arg, tokens_wanted,
 )
 
 import numpy as np
@@ -124,11 +124,6 @@ ctypedef struct Req:
     int8_t lazy
     int8_t prefilled
     int8_t eos            # stops before `limit`: async schedules one wasted token
-
-ctypedef struct Ev:
-    int64_t key
-    int32_t slot
-    int32_t gen
 
 ctypedef struct EvQ:
     Ev* sorted_        # owned by Prepared (read only)
@@ -252,49 +247,16 @@ cdef inline int64_t pmod(int64_t a, int64_t b) noexcept nogil:
 # Event queues: a sorted array (per snapshot) merged with a binary heap
 # ---------------------------------------------------------------------------
 
-cdef inline bint ev_less(Ev* a, Ev* b) noexcept nogil:
-    return a.key < b.key or (a.key == b.key and a.slot < b.slot)
-
-
-cdef int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
-    cdef int64_t i, p
-    cdef Ev e
-    mem_reserve(<void**>&q.heap, &q.cap_heap, q.n_heap + 1, 16, sizeof(Ev))
-    e.key = key
-    e.slot = slot
-    e.gen = gen
-    i = q.n_heap
-    q.n_heap += 1
-    while i > 0:
-        p = (i - 1) >> 1
-        if not ev_less(&e, &q.heap[p]):
-            break
-        q.heap[i] = q.heap[p]
-        i = p
-    q.heap[i] = e
-    return 0
+cdef inline int heap_push(EvQ* q, int64_t key, int32_t slot, int32_t gen) except -1 nogil:
+    return ev_push(&q.heap, &q.n_heap, &q.cap_heap, key, slot, gen)
 
 
 cdef inline void sift_down(EvQ* q, int64_t i, Ev e) noexcept nogil:
-    # Place e at slot i of the first q.n_heap entries, moving smaller children up.
-    cdef int64_t c, n = q.n_heap
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and ev_less(&q.heap[c + 1], &q.heap[c]):
-            c += 1
-        if not ev_less(&q.heap[c], &e):
-            break
-        q.heap[i] = q.heap[c]
-        i = c
-    q.heap[i] = e
+    ev_sift_down(q.heap, q.n_heap, i, e)
 
 
-cdef void heap_pop(EvQ* q) noexcept nogil:
-    q.n_heap -= 1
-    if q.n_heap > 0:
-        sift_down(q, 0, q.heap[q.n_heap])
+cdef inline void heap_pop(EvQ* q) noexcept nogil:
+    ev_pop(q.heap, &q.n_heap)
 
 
 cdef inline bint ev_valid(State* st, Ev* e) noexcept nogil:

@@ -8,7 +8,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t
 from libc.string cimport memset
 
-from _mem cimport mem_resize
+from _mem cimport mem_reserve, mem_resize
 
 cdef enum:
     STAGE_RUNNING = 0
@@ -191,3 +191,61 @@ cdef inline int read_coeffs(Coeffs* c, object coeffs) except -1:
     c.tau = coeffs[4] if n > 4 else 0.0
     c.b2s = c.b2 * <double>coeffs[5] if n > 5 else 0.0
     return 0
+
+
+# ---------------------------------------------------------------------------
+# Events of lazy decodes (both loops): a binary min-heap on (key, slot)
+# ---------------------------------------------------------------------------
+
+ctypedef struct Ev:
+    int64_t key         # the vt it happens at
+    int32_t slot
+    int32_t gen         # the request's generation when queued (stale once it moves on)
+
+
+cdef inline bint ev_less(const Ev* a, const Ev* b) noexcept nogil:
+    return a.key < b.key or (a.key == b.key and a.slot < b.slot)
+
+
+cdef inline int ev_push(Ev** heap, int64_t* n, int64_t* cap, int64_t key, int32_t slot,
+                        int32_t gen) except -1 nogil:
+    cdef int64_t i, p
+    cdef Ev e
+    cdef Ev* h
+    mem_reserve(<void**>heap, cap, n[0] + 1, 16, sizeof(Ev))
+    h = heap[0]
+    e.key = key
+    e.slot = slot
+    e.gen = gen
+    i = n[0]
+    n[0] += 1
+    while i > 0:
+        p = (i - 1) >> 1
+        if not ev_less(&e, &h[p]):
+            break
+        h[i] = h[p]
+        i = p
+    h[i] = e
+    return 0
+
+
+cdef inline void ev_sift_down(Ev* h, int64_t n, int64_t i, Ev e) noexcept nogil:
+    """Place e at i of the heap's first n entries, moving smaller children up."""
+    cdef int64_t c
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and ev_less(&h[c + 1], &h[c]):
+            c += 1
+        if not ev_less(&h[c], &e):
+            break
+        h[i] = h[c]
+        i = c
+    h[i] = e
+
+
+cdef inline void ev_pop(Ev* h, int64_t* n) noexcept nogil:
+    n[0] -= 1
+    if n[0] > 0:
+        ev_sift_down(h, n[0], 0, h[n[0]])
