@@ -50,7 +50,7 @@ def _extensions() -> list:
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # The checked allocation helpers every module cimports (listed so that an
     # sdist ships them and a change rebuilds the modules).
-    shared = ["cext/_mem.pxd", "cext/_replay_defs.pxd"]
+    shared = ["cext/_mem.pxd", "cext/_pyint.pxd", "cext/_replay_defs.pxd"]
     exts = [
         Extension(name, [src], depends=shared, extra_compile_args=opt, define_macros=[])
         for name, src in EXTENSIONS.items()

@@ -17,7 +17,6 @@
 # that (tests/test_prefix_cache_twins.py).
 
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
@@ -26,14 +25,13 @@ from libc.stdlib cimport free
 from libc.string cimport memset
 
 from _mem cimport mem_alloc
+from _pyint cimport int_in, is_key
 
 from bearsdk.prefix_cache import KEY_LIMIT, MAX_CACHE_ENTRIES, PrefixCacheState
 
 IMPLEMENTATION = "cython"
 
 cdef extern from "Python.h":
-    int _PyLong_Sign(object v)
-    size_t _PyLong_NumBits(object v) except? -1
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
 
 cdef int64_t MAX_ENTRIES = MAX_CACHE_ENTRIES
@@ -51,19 +49,6 @@ cdef object K_UNCACHED = "uncached_blocks"
 cdef object K_CHAIN = "chain"
 
 
-cdef inline bint small_int(object v, int64_t lo, int64_t hi, int64_t* out):
-    """v is exactly an int in [lo, hi] (the reference's _int); its value in out."""
-    cdef int overflow = 0
-    cdef long long x
-    if not PyLong_CheckExact(v):
-        return False
-    x = PyLong_AsLongLongAndOverflow(v, &overflow)
-    if overflow or x < lo or x > hi:
-        return False
-    out[0] = x
-    return True
-
-
 cdef class _Scratch:
     """Marks and index buffers of one validation (freed with it)."""
 
@@ -78,6 +63,11 @@ cdef class _Scratch:
         free(self.idx)
 
 
+cdef inline bint bounded_list(object v):
+    """_list: a list (as a JSON decoder makes it) of at most MAX_CACHE_ENTRIES items."""
+    return type(v) is list and PyList_GET_SIZE(v) <= MAX_ENTRIES
+
+
 cdef tuple expand(object v, int64_t stop, int64_t serial, _Scratch sc, int64_t* budget,
                   list ints):
     """_expand: a tuple of the indices of ``[start, count]`` runs, or None."""
@@ -85,18 +75,18 @@ cdef tuple expand(object v, int64_t stop, int64_t serial, _Scratch sc, int64_t* 
     cdef int64_t start, count, n = 0, i
     cdef object run
     cdef tuple out
-    if type(v) is not list:
+    if not bounded_list(v):
         return None
     nruns = PyList_GET_SIZE(v)
-    if nruns > MAX_ENTRIES or (nruns and stop == 0):
+    if nruns and stop == 0:
         return None
     for j in range(nruns):
         run = <object>PyList_GET_ITEM(v, j)
         if type(run) is not list or PyList_GET_SIZE(run) != 2:
             return None
-        if not small_int(<object>PyList_GET_ITEM(run, 0), 0, stop - 1, &start):
+        if not int_in(<object>PyList_GET_ITEM(run, 0), 0, stop - 1, &start):
             return None
-        if not small_int(<object>PyList_GET_ITEM(run, 1), 1, stop - start, &count):
+        if not int_in(<object>PyList_GET_ITEM(run, 1), 1, stop - start, &count):
             return None
         budget[0] -= count
         if budget[0] < 0:
@@ -155,20 +145,18 @@ def validate(raw, long long block_size, long long num_blocks, long long free_blo
     if p == NULL:
         return None
     keys_raw = <object>p
-    if type(keys_raw) is not list:
+    if not bounded_list(keys_raw):
         return None
     n_keys = PyList_GET_SIZE(keys_raw)
-    if n_keys > MAX_ENTRIES:
-        return None
     for i in range(n_keys):
         v = <object>PyList_GET_ITEM(keys_raw, i)
-        if not PyLong_CheckExact(v) or _PyLong_Sign(v) < 0 or _PyLong_NumBits(v) > 63:
+        if not is_key(v):
             return None
     p = PyDict_GetItemWithError(raw, K_CACHED)
-    if p == NULL or not small_int(<object>p, 0, min(n_keys, num_blocks), &cached):
+    if p == NULL or not int_in(<object>p, 0, min(n_keys, num_blocks), &cached):
         return None
     p = PyDict_GetItemWithError(raw, K_EVENTS)
-    if p != NULL and not small_int(<object>p, 0, KEY_LIMIT - 1, &events):
+    if p != NULL and not int_in(<object>p, 0, KEY_LIMIT - 1, &events):
         return None
     sc.mark = <uint8_t*>mem_alloc(cached, sizeof(uint8_t))
     memset(sc.mark, 0, cached)
@@ -180,15 +168,13 @@ def validate(raw, long long block_size, long long num_blocks, long long free_blo
     if p == NULL:
         return None
     free_raw = <object>p
-    if type(free_raw) is not list:
+    if not bounded_list(free_raw):
         return None
     n_free = PyList_GET_SIZE(free_raw)
-    if n_free > MAX_ENTRIES:
-        return None
     lo = -num_blocks
     hi = cached - 1 if cached > 0 else -1
     for i in range(n_free):
-        if not small_int(<object>PyList_GET_ITEM(free_raw, i), lo, hi, &e):
+        if not int_in(<object>PyList_GET_ITEM(free_raw, i), lo, hi, &e):
             return None
         if e >= 0:
             if sc.mark[e] & M_FREE:
@@ -206,10 +192,10 @@ def validate(raw, long long block_size, long long num_blocks, long long free_blo
         row = <object>PyList_GET_ITEM(rows, i)
         if type(r) is not dict or type(row) is not list or PyList_GET_SIZE(row) < 4:
             return None
-        if not (small_int(<object>PyList_GET_ITEM(row, 0), 0, 1, &state)
-                and small_int(<object>PyList_GET_ITEM(row, 1), 0, 1 << 50, &prompt)
-                and small_int(<object>PyList_GET_ITEM(row, 2), 0, 1 << 50, &computed)
-                and small_int(<object>PyList_GET_ITEM(row, 3), 0, 1 << 50, &output)):
+        if not (int_in(<object>PyList_GET_ITEM(row, 0), 0, 1, &state)
+                and int_in(<object>PyList_GET_ITEM(row, 1), 0, 1 << 50, &prompt)
+                and int_in(<object>PyList_GET_ITEM(row, 2), 0, 1 << 50, &computed)
+                and int_in(<object>PyList_GET_ITEM(row, 3), 0, 1 << 50, &output)):
             return None
         known = (prompt + output) // block_size
         mine = empty
@@ -220,7 +206,7 @@ def validate(raw, long long block_size, long long num_blocks, long long free_blo
             if mine is None:
                 return None
         p = PyDict_GetItemWithError(r, K_UNCACHED)
-        if p != NULL and not small_int(<object>p, 0, num_blocks, &n_un):
+        if p != NULL and not int_in(<object>p, 0, num_blocks, &n_un):
             return None
         if state == 0:  # running
             need = (computed + block_size - 1) // block_size

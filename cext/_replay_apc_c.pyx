@@ -30,10 +30,11 @@ from libc.stdint cimport INT64_MIN, int8_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
+from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.tuple cimport PyTuple_GET_ITEM
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize
+from _pyint cimport int_in, is_key
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, Ev, ev_pop, ev_push, ev_sift_down, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
@@ -41,9 +42,6 @@ from _replay_defs cimport (
     tokens_wanted,
 )
 
-cdef extern from "Python.h":
-    int _PyLong_Sign(object v)
-    size_t _PyLong_NumBits(object v) except? -1
 
 import numpy as np
 
@@ -695,17 +693,23 @@ cdef void run_remove(St* st, int32_t s) noexcept nogil:
 # Batches
 # ---------------------------------------------------------------------------
 
-cdef int sched_add(St* st, Batch* b, int32_t s, int64_t n) except -1 nogil:
-    cdef Rq* q = R(st, s)
+cdef inline int ent_append(Batch* b, int32_t s, int64_t n) except -1 nogil:
+    """An entry (sched_add: in the batch being formed; unlazy: in one in flight)."""
     if b.n_ent == b.cap_ent:
         mem_reserve(<void**>&b.ent_s, &b.cap_ent, b.n_ent + 1, 16, sizeof(int32_t))
-        b.cap_ent = b.n_ent  # both arrays grow together
+        b.cap_ent = b.n_ent
         mem_reserve(<void**>&b.ent_n, &b.cap_ent, b.n_ent + 1, 16, sizeof(int64_t))
-    q.in_batch = b.serial
-    q.sched_pos = <int32_t>b.n_ent
     b.ent_s[b.n_ent] = s
     b.ent_n[b.n_ent] = n
     b.n_ent += 1
+    return 0
+
+
+cdef int sched_add(St* st, Batch* b, int32_t s, int64_t n) except -1 nogil:
+    cdef Rq* q = R(st, s)
+    q.in_batch = b.serial
+    q.sched_pos = <int32_t>b.n_ent
+    ent_append(b, s, n)
     b.nlive += 1
     return 0
 
@@ -732,18 +736,6 @@ cdef Batch* ring_new(St* st) noexcept nogil:
     b.vt = st.vt
     b.lazy_n = 0
     return b
-
-
-cdef int ent_append(Batch* b, int32_t s, int64_t n) except -1 nogil:
-    """An entry added to a batch already formed (sched_add is for the one being formed)."""
-    if b.n_ent == b.cap_ent:
-        mem_reserve(<void**>&b.ent_s, &b.cap_ent, b.n_ent + 1, 16, sizeof(int32_t))
-        b.cap_ent = b.n_ent
-        mem_reserve(<void**>&b.ent_n, &b.cap_ent, b.n_ent + 1, 16, sizeof(int64_t))
-    b.ent_s[b.n_ent] = s
-    b.ent_n[b.n_ent] = n
-    b.n_ent += 1
-    return 0
 
 
 cdef inline bint fits(St* st, Batch* b, int64_t n) noexcept nogil:
@@ -1562,7 +1554,7 @@ cdef list _key_list(object prefix_keys):
     for i in range(len(keys)):
         k = keys[i]
         # Exactly int (not bool, not a numpy integer), in [0, 2**63).
-        if PyLong_CheckExact(k) and _PyLong_Sign(k) >= 0 and _PyLong_NumBits(k) <= 63:
+        if is_key(k):
             continue
         raise ValueError(
             f"prefix_keys[{i}] must be an integer in [0, 2**63) (got {short_repr(k)})")
@@ -1583,19 +1575,6 @@ cdef class _I64:
 
 cdef inline tuple _as_tuple(object x):
     return <tuple>x if type(x) is tuple else tuple(x)
-
-
-cdef inline bint _index_in(object v, int64_t stop, int64_t* out):
-    """v is an int in [0, stop) (a bool or a float is not); its value in out."""
-    cdef int overflow = 0
-    cdef long long x
-    if not PyLong_CheckExact(v):
-        return False
-    x = PyLong_AsLongLongAndOverflow(v, &overflow)
-    if overflow or x < 0 or x >= stop:
-        return False
-    out[0] = x
-    return True
 
 
 cdef inline int64_t pow2_at_least(int64_t n) noexcept:
@@ -1791,7 +1770,7 @@ cdef class Replayer:
         cdef _I64 kc = _I64(nkeys_all)
         for i in range(nkeys_all):
             ko = <object>PyTuple_GET_ITEM(kt, i)
-            if not (PyLong_CheckExact(ko) and _PyLong_Sign(ko) >= 0 and _PyLong_NumBits(ko) <= 63):
+            if not is_key(ko):
                 raise ValueError(
                     f"prefix_cache.keys[{i}] must be an integer in [0, 2**63) (got {short_repr(ko)})")
             kc.v[i] = <int64_t>PyLong_AsUnsignedLongLongMask(ko)
@@ -1841,7 +1820,7 @@ cdef class Replayer:
             seq = _as_tuple(blocks[i])
             for m in range(len(seq)):
                 ko = <object>PyTuple_GET_ITEM(seq, m)
-                if not _index_in(ko, ncached, &b):
+                if not int_in(ko, 0, ncached - 1, &b):
                     raise ValueError(f"request {i}: cached block {short_repr(ko)} out of range")
                 pr.bl[b].ref += 1
                 pr.bb[off_b] = <int32_t>b
@@ -1856,7 +1835,7 @@ cdef class Replayer:
             seq = _as_tuple(chains[i])
             for m in range(len(seq)):
                 ko = <object>PyTuple_GET_ITEM(seq, m)
-                if not _index_in(ko, nkeys_all, &kk):
+                if not int_in(ko, 0, nkeys_all - 1, &kk):
                     raise ValueError(f"request {i}: chain key {short_repr(ko)} out of range")
                 pr.kb[off_k] = kc.v[kk]
                 off_k += 1
