@@ -23,6 +23,7 @@ EXTENSIONS = {
     "bearsdk._prefix_cache_c": "cext/_prefix_cache_c.pyx",
     "bearsdk.io._shm_c": "cext/_shm_c.pyx",
     "bearsdk.kvevents._index_c": "cext/_index_c.pyx",
+    "bearsdk.prompts._pretok_c": "cext/_pretok_c.pyx",
     "bearsdk.vllm._pub_c": "cext/_vllm_pub_c.pyx",
 }
 

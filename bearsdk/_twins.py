@@ -37,6 +37,7 @@ PAIRS: Final[dict[str, tuple[str, str]]] = {
     "shm": ("bearsdk.io._shm_c", "bearsdk.io._shm_py"),
     "vllm-publisher": ("bearsdk.vllm._pub_c", "bearsdk.vllm._pub_py"),
     "prefix-index": ("bearsdk.kvevents._index_c", "bearsdk.kvevents._index_py"),
+    "pretokenizer": ("bearsdk.prompts._pretok_c", "bearsdk.prompts._pretok_py"),
 }
 """Each twin pair by name: (compiled module, pure-Python twin)."""
 

@@ -36,11 +36,12 @@ def test_every_selector_follows_the_switch(flag: str) -> None:
         "from bearsdk.replay import IMPLEMENTATION as replay\n"
         "from bearsdk.vllm import publisher\n"
         "from bearsdk.kvevents import index\n"
+        "from bearsdk.prompts import pretok\n"
         "print(json.dumps({'loaded': _twins.loaded(), 'actual': {'replay': replay,"
         " 'snapshot': 'python' if snapshot._scan is None else 'cython',"
         " 'features': _impl.IMPLEMENTATION, 'shm': shm.IMPLEMENTATION,"
         " 'vllm-publisher': publisher.IMPLEMENTATION,"
-        " 'prefix-index': index.IMPLEMENTATION,"
+        " 'prefix-index': index.IMPLEMENTATION, 'pretokenizer': pretok.IMPLEMENTATION,"
         " 'prefix-cache': 'python' if snapshot._validate_pc is None else 'cython'}}))\n"
     )
     env = {**os.environ, "BEARSDK_NO_EXTENSIONS": flag}

@@ -8,7 +8,10 @@ Measured on an ~8k-token chat prompt against 8 instances whose indexes each hold
 ``--blocks`` blocks (some of the prompt's prefix among them, a different share
 on each), four ways:
 
-* ``tokenize+hash+lookup``: a new conversation, tokenized in full;
+* ``tokenize+hash+lookup``: a new conversation, tokenized in full: with the
+  plain-ASCII fast path (:mod:`bearsdk.prompts.pretok`) whose piece table
+  earlier prompts filled (the steady state), with that table empty, and with
+  the ``tokenizers`` library alone;
 * ``next turn``: the conversation's next turn, the previous turn's ids reused;
 * ``hash+lookup``: the caller gave the ids (``prompt_token_ids``);
 * ``lookup``: the chain already hashed.
@@ -73,7 +76,17 @@ def _trained_tokenizer(seed: int) -> Any:
     )
     tok.train_from_iterator(corpus, trainer)
     ids = frozenset(i for s in specials if (i := tok.token_to_id(s)) is not None)
-    return lambda cache: ChatTokenizer(tok, ChatTemplate.from_string(_CHATML), ids, cache)
+    template = ChatTemplate.from_string(_CHATML)
+    return lambda cache, fast=True: ChatTokenizer(
+        tok, template, ids, cache, fast_pieces=fast_max(fast)
+    )
+
+
+def fast_max(fast: bool) -> int:
+    """``fast_pieces`` for a benchmark tokenizer with or without the fast path."""
+    from bearsdk.prompts.pretok import DEFAULT_MAX_PIECES
+
+    return DEFAULT_MAX_PIECES if fast else 0
 
 
 def _conversation(tok: Any, tokens: int, rng: random.Random) -> list[dict[str, str]]:
@@ -107,8 +120,8 @@ def run(
         path = Path(tokenizer)
         load_chat_tokenizer(path)  # fail early, with the file named
 
-        def make(cache: int) -> Any:
-            return load_chat_tokenizer(path, cache_tokens=cache)
+        def make(cache: int, fast: bool = True) -> Any:
+            return load_chat_tokenizer(path, cache_tokens=cache, fast_pieces=fast_max(fast))
 
         source = str(path.name)
     msgs = _conversation(make, tokens, rng)
@@ -142,8 +155,25 @@ def run(
     def lookup_all(ixs: list[Any], chain: list[int]) -> int:
         return sum(ix.hit_blocks(chain) for ix in ixs)
 
-    def fresh() -> None:
-        lookup_all(selected, full.encode_chat(msgs).chain(bs))
+    def fresh(tok: Any = full) -> None:
+        lookup_all(selected, tok.encode_chat(msgs).chain(bs))
+
+    library = make(0, False)
+    fast = full._fast
+    cold_pieces = 0
+    if fast is not None:
+        from bearsdk.prompts.pretok import piece_bpe
+
+        bpe = piece_bpe(full.tokenizer.model)
+        warm = fast.encoder
+
+        def fresh_cold() -> None:
+            # An empty piece table: every piece of the prompt is new to it.
+            fast.encoder = type(warm)(warm.family, bpe, warm.max_pieces)
+            fresh()
+
+        fresh_cold()
+        cold_pieces = fast.encoder.kept
 
     session = make(4_000_000)
     prev = msgs[:-1]
@@ -159,7 +189,15 @@ def run(
         "instances": instances,
         "hit_blocks": hits,
         "implementation": IMPLEMENTATION,
+        "fast_path": None if fast is None else fast.family,
         "tokenize_hash_lookup_us": time_call(fresh, batch=5, rounds=100, warmup=2).as_dict(),
+        "tokenize_hash_lookup_cold_us": None
+        if fast is None
+        else time_call(fresh_cold, batch=5, rounds=100, warmup=2).as_dict(),
+        "distinct_pieces": cold_pieces,
+        "tokenize_hash_lookup_library_us": time_call(
+            lambda: fresh(library), batch=5, rounds=40, warmup=1
+        ).as_dict(),
         "next_turn_us": time_call(next_turn, batch=5, rounds=100, warmup=2).as_dict(),
         "hash_lookup_us": {},
         "lookup_us": {},
@@ -283,6 +321,8 @@ def _main(args: argparse.Namespace) -> int:
             f"{a['true_cached_pct_of_prompt']} %); hit/miss agree on {a['hit_or_miss_agree_pct']} %"
         )
         return 0
+    from bearsdk.prompts.pretok import IMPLEMENTATION as PRETOK
+
     r = run(args.tokenizer, args.tokens, args.instances, args.blocks, args.seed)
     if args.json:
         print(json.dumps(r, indent=2))
@@ -290,13 +330,25 @@ def _main(args: argparse.Namespace) -> int:
     print(
         f"prefix-aware routing cost per request: a {r['prompt_tokens']}-token chat prompt, "
         f"{r['instances']} instances x {r['blocks_per_index']} cached blocks, "
-        f"tokenizer: {r['tokenizer']}, index: {r['implementation']}"
+        f"tokenizer: {r['tokenizer']}, index: {r['implementation']}, fast path: "
+        f"{'none (not a family it is exact for)' if r['fast_path'] is None else r['fast_path']}"
+        f" ({PRETOK})"
     )
 
     def line(label: str, t: dict[str, float]) -> None:
         print(f"  {label:34s} p50 {t['median_us']:9.1f} us   p99 {t['p99_us']:9.1f} us")
 
-    line("tokenize + hash + look up", r["tokenize_hash_lookup_us"])
+    fp = r["fast_path"]
+    line(
+        f"tokenize + hash + look up{'' if fp is None else ' (fast path)'}",
+        r["tokenize_hash_lookup_us"],
+    )
+    if fp is not None:
+        line(
+            f"  ... piece table empty ({r['distinct_pieces']} pieces)",
+            r["tokenize_hash_lookup_cold_us"],
+        )
+    line("  ... tokenizers library alone", r["tokenize_hash_lookup_library_us"])
     line("next turn (previous turn reused)", r["next_turn_us"])
     for name in r["hash_lookup_us"]:
         line(f"hash + look up ({name})", r["hash_lookup_us"][name])

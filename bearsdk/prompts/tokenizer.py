@@ -21,7 +21,9 @@ tokenizes only those it has not seen: a conversation's next turn costs its new
 messages, a shared system prompt nothing. Whether the tokenizer really splits
 that way is checked once, when it is built, on its own special tokens; where it
 does not (a SentencePiece-style tokenizer that marks the start of a text),
-every prompt is tokenized in full.
+every prompt is tokenized in full. A new segment of plain-ASCII text, for a
+byte-level BPE tokenizer of a family it knows, is tokenized piece by piece
+from a table (:mod:`bearsdk.prompts.pretok`) rather than by the library.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import orjson
 
 from bearsdk.errors import BearError, short_repr
 from bearsdk.prompts.ids import PromptIds
+from bearsdk.prompts.pretok import DEFAULT_MAX_PIECES, FastPath, fast_path
 from bearsdk.prompts.template import ChatTemplate, ChatTemplateError
 
 __all__ = ["ChatTokenizer", "PromptIds", "TokenizerError", "load_chat_tokenizer"]
@@ -64,6 +67,10 @@ class ChatTokenizer:
             cut into segments).
         cache_tokens: Most token ids kept from earlier segments, all requests
             together (``0``: every prompt tokenized in full).
+        fast_pieces: Most pieces the plain-ASCII fast path keeps
+            (:mod:`bearsdk.prompts.pretok`; ``0``: the library tokenizes
+            everything). It is used only where the tokenizer is one it is
+            exact for.
 
     Attributes:
         split_at_specials: Whether a text tokenizes as its segments between
@@ -76,6 +83,7 @@ class ChatTokenizer:
     template: ChatTemplate | None
     special_ids: frozenset[int] = frozenset()
     cache_tokens: int = 4_000_000
+    fast_pieces: int = DEFAULT_MAX_PIECES
     split_at_specials: bool = attrs.field(init=False, default=False)
     tokenized: int = attrs.field(init=False, default=0)
     reused: int = attrs.field(init=False, default=0)
@@ -83,6 +91,7 @@ class ChatTokenizer:
     _splitter: re.Pattern[str] | None = attrs.field(init=False, default=None)
     _segments: OrderedDict[str, array.array[int]] = attrs.field(init=False, factory=OrderedDict)
     _held: int = attrs.field(init=False, default=0)
+    _fast: FastPath | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         for i in sorted(self.special_ids):
@@ -94,6 +103,8 @@ class ChatTokenizer:
             # Longest first: a special token that starts another must not cut it.
             names = sorted(self._specials, key=len, reverse=True)
             self._splitter = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+        if self.fast_pieces > 0:
+            self._fast = fast_path(self.tokenizer, self.fast_pieces)
 
     def _check_split(self) -> bool:
         if not self._specials:
@@ -137,43 +148,60 @@ class ChatTokenizer:
             raise TokenizerError(
                 f"rendered prompt: at most {MAX_PROMPT_CHARS} characters (got {len(text)})"
             )
-        if self._splitter is None or self.cache_tokens <= 0:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-            self.tokenized += len(ids)
-            return PromptIds(ids)
-        return self._by_segments(self._splitter.split(text))
+        if self._splitter is None:
+            return self._by_segments([text], keep=False)
+        return self._by_segments(self._splitter.split(text), keep=self.cache_tokens > 0)
 
-    def _by_segments(self, parts: list[str]) -> PromptIds:
+    def _by_segments(self, parts: list[str], keep: bool) -> PromptIds:
         # parts: text, special, text, special, ..., text (re.split with a group).
         cache = self._segments
         pieces: list[Any] = []
-        missing: list[int] = []
+        # The library's share: index in pieces (which holds the text it gets),
+        # the segment, and the fast path's ids before and after that text.
+        missing: list[tuple[int, str, list[int], list[int]]] = []
         reused = 0
+        fast = self._fast
         for i, part in enumerate(parts):
             if i % 2:
                 pieces.append((self._specials[part],))
-            elif part:
-                got = cache.get(part)
-                if got is None:
-                    missing.append(len(pieces))
-                    pieces.append(part)
-                else:
-                    cache.move_to_end(part)
-                    reused += len(got)
-                    pieces.append(got)
+                continue
+            if not part:
+                continue
+            got = cache.get(part) if keep else None
+            if got is not None:
+                cache.move_to_end(part)
+                reused += len(got)
+                pieces.append(got)
+                continue
+            head, middle, tail = fast.cut(part) if fast is not None else ([], part, [])
+            if middle:
+                missing.append((len(pieces), part, head, tail))
+                pieces.append(middle)
+                continue
+            self.tokenized += len(head)
+            if keep:
+                self._keep(part, array.array("q", head))
+            pieces.append(head)
         if missing:
-            texts = [pieces[k] for k in missing]
-            encs = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-            for k, t, e in zip(missing, texts, encs, strict=True):
-                got = array.array("q", e.ids)
+            texts = [pieces[k] for k, _, _, _ in missing]
+            for (k, part, head, tail), mid in zip(missing, self._encode_batch(texts), strict=True):
+                got = array.array("q", head)
+                got.extend(mid)
+                got.extend(tail)
                 pieces[k] = got
                 self.tokenized += len(got)
-                self._keep(t, got)
+                if keep:
+                    self._keep(part, got)
         ids: list[int] = []
         for piece in pieces:
             ids.extend(piece)
         self.reused += reused
         return PromptIds(ids, reused=reused)
+
+    def _encode_batch(self, texts: list[str]) -> list[array.array[int]]:
+        """The library's ids for ``texts`` (no special tokens added)."""
+        encs = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [array.array("q", e.ids) for e in encs]
 
     def _keep(self, text: str, ids: array.array[int]) -> None:
         # Memory: the ids (8 bytes each) and the text (about 4 characters a token).
@@ -187,12 +215,15 @@ class ChatTokenizer:
             self._held -= len(gone) + len(old) // 4 + 1
 
 
-def load_chat_tokenizer(path: str | Path, *, cache_tokens: int = 4_000_000) -> ChatTokenizer:
+def load_chat_tokenizer(
+    path: str | Path, *, cache_tokens: int = 4_000_000, fast_pieces: int = DEFAULT_MAX_PIECES
+) -> ChatTokenizer:
     """A model directory's tokenizer and chat template, as vLLM loads them.
 
     ``path`` is a Hugging Face model directory (``tokenizer.json``, with the
     chat template and special tokens from ``chat_template.jinja`` or
     ``tokenizer_config.json``) or a ``tokenizer.json`` file (no chat template).
+    ``cache_tokens`` and ``fast_pieces`` are :class:`ChatTokenizer`'s.
 
     Raises:
         TokenizerError: A file is missing or unreadable, or ``tokenizers`` is
@@ -242,7 +273,7 @@ def load_chat_tokenizer(path: str | Path, *, cache_tokens: int = 4_000_000) -> C
     special_ids = frozenset(
         int(i) for i, t in tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
     )
-    return ChatTokenizer(tok, template, special_ids, cache_tokens)
+    return ChatTokenizer(tok, template, special_ids, cache_tokens, fast_pieces)
 
 
 def _token_text(v: Any) -> str | None:
