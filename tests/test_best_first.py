@@ -264,3 +264,49 @@ def test_prefill_tps_prunes_too() -> None:
 def test_price_all_must_be_a_flag(cls: type) -> None:
     with pytest.raises(ValueError, match=r"price_all must be true or false \(got 'yes'\)"):
         cls(price_all="yes")
+
+
+def test_an_overload_is_priced_out_to_the_second_look_at_once() -> None:
+    # The decision after one that needed the second look (nothing meets 20 ms,
+    # the lowest TTFT past the horizon) is priced 8x the horizon out at once:
+    # the same choice as a router seeing that state first, with i0's
+    # queue-ahead bound now replayed exactly; once something is on time again,
+    # the horizon is back.
+    pred = _prediction([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
+    models, waiting = [2, 1, 1, 2, 2], [4, 4, 120, 40, 400]
+    core, feed = _router(models, waiting, BEAR())
+    first = _decide(core, feed, pred, ttft_target=0.02)
+    second = _decide(core, feed, pred, ttft_target=0.02)
+    fresh, ffeed = _router(models, waiting, BEAR())
+    assert (
+        first.instance == second.instance == _decide(fresh, ffeed, pred, ttft_target=0.02).instance
+    )
+    assert first.instance == "i1"
+    assert second.chosen.ttft_s == first.chosen.ttft_s
+    assert first.candidates[0].ttft_lower_bound
+    assert not second.candidates[0].ttft_lower_bound
+    assert first.candidates[0].ttft_s < second.candidates[0].ttft_s
+    assert second.candidates[4].ttft_lower_bound  # 400 waiting: past 8x the horizon too
+    on_time = _decide(core, feed, pred, ttft_target=5.0)
+    assert on_time.chosen.feasible
+    again = _decide(core, feed, pred, ttft_target=0.02)
+    assert [repr(c) for c in again.candidates] == [repr(c) for c in first.candidates]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    waiting=st.lists(st.sampled_from([0, 4, 40, 120, 400]), min_size=5, max_size=5),
+    targets=st.lists(st.sampled_from([1e-4, 0.02, 0.3, 5.0]), min_size=2, max_size=6),
+)
+def test_a_sequence_of_decisions_chooses_as_fresh_routers_do(
+    waiting: list[int], targets: list[float]
+) -> None:
+    pred = _prediction([0.5, 0.8, 0.9], [0.0, 1e-4, 3e-4])
+    models = [2, 1, 1, 0, 2]
+    core, feed = _router(models, waiting, BEAR())
+    for target in targets:
+        d = _decide(core, feed, pred, ttft_target=target)
+        fresh, ffeed = _router(models, waiting, BEAR())
+        want = _decide(fresh, ffeed, pred, ttft_target=target)
+        assert (d.index, d.reason) == (want.index, want.reason)
+        assert d.chosen.ttft_s == want.chosen.ttft_s

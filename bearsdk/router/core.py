@@ -230,6 +230,8 @@ class RouterCore(RouterFeedback):
         self.hooks = hooks if hooks is not None else RouterHooks()
         self._explorer = None if explore is None or speed is None else Explorer(explore)
         self._pruning = PruningMemo()
+        # The last decision found nothing on time, every estimate past the horizon.
+        self._overloaded = False
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
         self._margin = margin
@@ -511,9 +513,18 @@ class RouterCore(RouterFeedback):
             rows = price(self, slots, ask, h)
             return rows, select([c[0] for c in rows])
 
-        rows, sel = choose(horizon, best_first)
+        far = horizon * _FALLBACK_REACH
+        # An overload lasts: after a decision that needed the second look below,
+        # the next is priced that far out at once, rather than replaying the
+        # same instances to the horizon and then again from the start. The
+        # choice is the same (no instance on time at the horizon becomes so
+        # further out; the lowest TTFT is exact either way); only the cost and
+        # the other instances' values differ (exact where they were bounds).
+        reach = far if self._overloaded and not explore else horizon
+        rows, sel = choose(reach, best_first)
         if (
-            horizon != math.inf
+            reach == horizon
+            and horizon != math.inf
             and sel.feasible is not None
             and not any(sel.feasible)
             and rows[sel.index][7]
@@ -522,7 +533,6 @@ class RouterCore(RouterFeedback):
             # fallback compared lower bounds, which say nothing about which instance
             # is least late. Look further (in overload only, so bounded cost). No
             # instance becomes on time further out.
-            far = horizon * _FALLBACK_REACH
             if prunes and (want is None or tpot_s == math.inf):
                 # (Its fallback is the lowest TTFT: only bounds that could be it.)
                 rows = reprice_lowest(self, slots, rows, ask, far)
@@ -531,6 +541,12 @@ class RouterCore(RouterFeedback):
                 rows, sel = choose(far, False)
         if prunes:
             self._pruning.observe(rows, sel, best_first)
+        self._overloaded = (
+            horizon != math.inf
+            and sel.feasible is not None
+            and not any(sel.feasible)
+            and rows[sel.index][0].ttft_s > horizon
+        )
         index, reason = sel.index, sel.reason
         if explore:
             assert self._explorer is not None
