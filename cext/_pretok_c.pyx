@@ -1,5 +1,5 @@
-# Compiled twin of bearsdk/prompts/_pretok_py.py: byte-level BPE on plain-ASCII
-# text, cut as the tokenizer cuts it, each piece's ids kept in a table.
+# Compiled twin of bearsdk/prompts/_pretok_py.py: byte-level BPE on plain text,
+# cut as the tokenizer cuts it, each piece's ids kept in a table.
 #
 # The pure-Python module is the reference and the test oracle (its regular
 # expressions are the tokenizers' own, restricted to ASCII); this one must give
@@ -9,7 +9,9 @@
 # Each family's expression is a hand-written matcher here: at each position the
 # first alternative that matches, with the backtracking the regex engine would
 # do spelt out (a whitespace run that gives its last character back to the
-# word after it, a run of newlines that ends the whitespace before it).
+# word after it, a run of newlines that ends the whitespace before it). It runs
+# over the text's UTF-8 bytes with a class per byte (every byte of a character
+# has the character's class), so that a run never ends inside a character.
 #
 # Kept pieces live in two arenas (their bytes, their ids) under an
 # open-addressing table at most half full. Past max_pieces pieces, or past the
@@ -26,15 +28,13 @@ from cpython.ref cimport Py_INCREF
 cimport _mem
 
 cdef extern from "Python.h":
-    bint PyUnicode_IS_ASCII(object o)
-    void* PyUnicode_DATA(object o)
-    Py_ssize_t PyUnicode_GET_LENGTH(object o)
-    object PyUnicode_FromStringAndSize(const char* s, Py_ssize_t n)
+    const char* PyUnicode_AsUTF8AndSize(object o, Py_ssize_t* size) except NULL
+    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
 
-__all__ = ["FAMILIES", "MAX_PIECES", "MAX_PIECE_CHARS", "PieceEncoder"]
+__all__ = ["FAMILIES", "MAX_PIECES", "MAX_PIECE_BYTES", "PieceEncoder"]
 
 FAMILIES = ("gpt2", "llama3", "qwen2")
-MAX_PIECE_CHARS = 64
+MAX_PIECE_BYTES = 64
 MAX_PIECES = 1 << 24
 
 cdef enum:
@@ -46,10 +46,10 @@ cdef enum:
     PIECES_CAP = 1 << 24
 
 cdef enum:
-    C_BAD = 0   # outside printable ASCII, tab, LF, CR: the twin's None
-    C_L = 1     # [A-Za-z]
+    C_BAD = 0   # not accepted: the twin's None
+    C_L = 1     # [A-Za-z], the Latin-1 letters
     C_N = 2     # [0-9]
-    C_P = 3     # the rest of printable ASCII but space
+    C_P = 3     # the rest of printable ASCII but space; the twin's MARKS
     C_SP = 4    # space
     C_TAB = 5   # tab
     C_NL = 6    # LF, CR
@@ -78,24 +78,52 @@ cdef void _init_classes() noexcept:
 _init_classes()
 
 
-cdef inline int cls(const uint8_t* s, Py_ssize_t i) noexcept nogil:
-    return CLS[s[i]]
-
-
-cdef inline bint is_ws(int c) noexcept nogil:
-    return c >= C_SP
-
-
-cdef inline Py_ssize_t run_of(const uint8_t* s, Py_ssize_t i, Py_ssize_t n, int c) noexcept nogil:
-    while i < n and CLS[s[i]] == c:
+cdef inline Py_ssize_t run_of(const uint8_t* k, Py_ssize_t i, Py_ssize_t n, int c) noexcept nogil:
+    while i < n and k[i] == c:
         i += 1
     return i
 
 
-cdef inline Py_ssize_t ws_run(const uint8_t* s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    while i < n and CLS[s[i]] >= C_SP:
+cdef inline Py_ssize_t ws_run(const uint8_t* k, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    while i < n and k[i] >= C_SP:
         i += 1
     return i
+
+
+cdef inline Py_ssize_t width(const uint8_t* s, Py_ssize_t i) noexcept nogil:
+    # Bytes of the character at i (an accepted one: 1, 2 for Latin-1, 3 for a mark).
+    return 1 if s[i] < 0x80 else (2 if s[i] < 0xE0 else 3)
+
+
+cdef inline bint is_mark(uint8_t b) noexcept nogil:
+    # The third byte of E2 80 xx: – — ‘ ’ “ ” • …
+    return (b == 0x93 or b == 0x94 or b == 0x98 or b == 0x99 or b == 0x9C or b == 0x9D
+            or b == 0xA2 or b == 0xA6)
+
+
+cdef Py_ssize_t classify(const uint8_t* s, Py_ssize_t n, uint8_t* k) noexcept nogil:
+    """Each byte's class into k; -1 at the first character not accepted."""
+    cdef Py_ssize_t i = 0
+    cdef uint8_t b, b2
+    while i < n:
+        b = s[i]
+        if b < 0x80:
+            k[i] = CLS[b]
+            if k[i] == C_BAD:
+                return -1
+            i += 1
+        elif b == 0xC3 and i + 1 < n and 0x80 <= s[i + 1] <= 0xBF and s[i + 1] != 0x97 and s[i + 1] != 0xB7:
+            k[i] = C_L
+            k[i + 1] = C_L
+            i += 2
+        elif b == 0xE2 and i + 2 < n and s[i + 1] == 0x80 and is_mark(s[i + 2]):
+            k[i] = C_P
+            k[i + 1] = C_P
+            k[i + 2] = C_P
+            i += 3
+        else:
+            return -1
+    return n
 
 
 cdef inline uint8_t lower(uint8_t c) noexcept nogil:
@@ -118,16 +146,16 @@ cdef inline Py_ssize_t contraction(const uint8_t* s, Py_ssize_t i, Py_ssize_t n,
     return 0
 
 
-cdef inline Py_ssize_t spaces(const uint8_t* s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+cdef inline Py_ssize_t spaces(const uint8_t* k, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     # \s+(?!\S) then \s+: a run followed by a non-space keeps its last
     # character for what follows (unless it is the run's only one).
-    cdef Py_ssize_t k = ws_run(s, i, n)
-    if k == n or k - 1 == i:
-        return k
-    return k - 1
+    cdef Py_ssize_t e = ws_run(k, i, n)
+    if e == n or e - 1 == i:
+        return e
+    return e - 1
 
 
-cdef Py_ssize_t cut_gpt2(const uint8_t* s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+cdef Py_ssize_t cut_gpt2(const uint8_t* s, const uint8_t* k, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     # 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
     cdef Py_ssize_t j = contraction(s, i, n, False)
     cdef int c
@@ -135,45 +163,48 @@ cdef Py_ssize_t cut_gpt2(const uint8_t* s, Py_ssize_t i, Py_ssize_t n) noexcept 
         return j
     j = i + (s[i] == 0x20)
     if j < n:
-        c = cls(s, j)
+        c = k[j]
         if c == C_L or c == C_N or c == C_P:
-            return run_of(s, j, n, c)
-    return spaces(s, i, n)
+            return run_of(k, j, n, c)
+    return spaces(k, i, n)
 
 
-cdef Py_ssize_t cut_llama(const uint8_t* s, Py_ssize_t i, Py_ssize_t n, Py_ssize_t digits) noexcept nogil:
+cdef Py_ssize_t cut_llama(const uint8_t* s, const uint8_t* k, Py_ssize_t i, Py_ssize_t n,
+                          Py_ssize_t digits) noexcept nogil:
     # (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,digits}
     # | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
-    cdef Py_ssize_t j = contraction(s, i, n, True), k, last
-    cdef int c = cls(s, i)
+    cdef Py_ssize_t j = contraction(s, i, n, True), e, last
+    cdef int c = k[i]
     if j:
         return j
     if c == C_L:
-        return run_of(s, i, n, C_L)
-    if c != C_NL and c != C_N and i + 1 < n and cls(s, i + 1) == C_L:
-        return run_of(s, i + 1, n, C_L)
+        return run_of(k, i, n, C_L)
+    j = i + width(s, i)
+    if c != C_NL and c != C_N and j < n and k[j] == C_L:
+        return run_of(k, j, n, C_L)
     if c == C_N:
-        k = run_of(s, i, n, C_N)
-        return k if k - i <= digits else i + digits
+        e = run_of(k, i, n, C_N)
+        return e if e - i <= digits else i + digits
     j = i + (c == C_SP)
-    if j < n and cls(s, j) == C_P:
-        k = run_of(s, j, n, C_P)
-        return run_of(s, k, n, C_NL)
+    if j < n and k[j] == C_P:
+        e = run_of(k, j, n, C_P)
+        return run_of(k, e, n, C_NL)
     # Whitespace: through its last newline if it has one.
-    k = ws_run(s, i, n)
+    e = ws_run(k, i, n)
     last = -1
-    for j in range(i, k):
-        if CLS[s[j]] == C_NL:
+    for j in range(i, e):
+        if k[j] == C_NL:
             last = j
     if last >= 0:
         return last + 1
-    return spaces(s, i, n)
+    return spaces(k, i, n)
 
 
-cdef inline Py_ssize_t cut(int family, const uint8_t* s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+cdef inline Py_ssize_t cut(int family, const uint8_t* s, const uint8_t* k, Py_ssize_t i,
+                           Py_ssize_t n) noexcept nogil:
     if family == 0:
-        return cut_gpt2(s, i, n)
-    return cut_llama(s, i, n, 3 if family == 1 else 1)
+        return cut_gpt2(s, k, i, n)
+    return cut_llama(s, k, i, n, 3 if family == 1 else 1)
 
 
 cdef inline uint64_t fnv(const uint8_t* s, Py_ssize_t n) noexcept nogil:
@@ -218,6 +249,8 @@ cdef class PieceEncoder:
     cdef int64_t _ids_cap
     cdef int64_t* _out
     cdef int64_t _out_cap
+    cdef uint8_t* _cls      # the text's class per byte (scratch)
+    cdef int64_t _cls_cap
 
     def __cinit__(self, family, bpe, max_pieces=1 << 18):
         if family not in FAMILIES:
@@ -237,6 +270,7 @@ cdef class PieceEncoder:
         free(self._keys)
         free(self._ids)
         free(self._out)
+        free(self._cls)
 
     @property
     def kept(self):
@@ -248,13 +282,12 @@ cdef class PieceEncoder:
         cdef const uint8_t* s
         cdef Py_ssize_t n, i = 0, j
         cdef list out = []
-        if not self._readable(text):
+        s = self._read(text, &n)
+        if s == NULL:
             return None
-        s = <const uint8_t*>PyUnicode_DATA(text)
-        n = PyUnicode_GET_LENGTH(text)
         while i < n:
-            j = cut(self._fam, s, i, n)
-            out.append(PyUnicode_FromStringAndSize(<const char*>s + i, j - i))
+            j = cut(self._fam, s, self._cls, i, n)
+            out.append(PyUnicode_DecodeUTF8(<const char*>s + i, j - i, NULL))
             i = j
         return out
 
@@ -266,12 +299,11 @@ cdef class PieceEncoder:
         cdef Ent* e
         cdef list res
         cdef object v
-        if not self._readable(text):
+        s = self._read(text, &n)
+        if s == NULL:
             return None
-        s = <const uint8_t*>PyUnicode_DATA(text)
-        n = PyUnicode_GET_LENGTH(text)
         while i < n:
-            j = cut(self._fam, s, i, n)
+            j = cut(self._fam, s, self._cls, i, n)
             e = self._find(s + i, j - i)
             if e == NULL:
                 nout = self._miss(s + i, j - i, nout)
@@ -288,19 +320,20 @@ cdef class PieceEncoder:
             PyList_SET_ITEM(res, k, v)
         return res
 
-    cdef bint _readable(self, text) except -1:
+    cdef const uint8_t* _read(self, text, Py_ssize_t* n) except? NULL:
+        """The text's UTF-8 bytes, each byte's class in _cls; NULL where a character is not accepted."""
         cdef const uint8_t* s
-        cdef Py_ssize_t i, n
         if type(text) is not str:
             raise TypeError(f"text must be a str (got {type(text).__name__})")
-        if not PyUnicode_IS_ASCII(text):
-            return False
-        s = <const uint8_t*>PyUnicode_DATA(text)
-        n = PyUnicode_GET_LENGTH(text)
-        for i in range(n):
-            if CLS[s[i]] == C_BAD:
-                return False
-        return True
+        # For ASCII text CPython hands out its own buffer: no copy.
+        try:
+            s = <const uint8_t*>PyUnicode_AsUTF8AndSize(text, n)
+        except UnicodeEncodeError:  # a lone surrogate: not accepted either
+            return NULL
+        _mem.mem_reserve(<void**>&self._cls, &self._cls_cap, n[0], 4096, 1)
+        if classify(s, n[0], self._cls) < 0:
+            return NULL
+        return s
 
     cdef Ent* _find(self, const uint8_t* p, Py_ssize_t n) noexcept:
         cdef uint64_t h
@@ -320,7 +353,7 @@ cdef class PieceEncoder:
 
     cdef int64_t _miss(self, const uint8_t* p, Py_ssize_t n, int64_t nout) except -1:
         """Append the piece's ids from the tokenizer's model, and keep them if it is short."""
-        cdef object got = self._bpe(PyUnicode_FromStringAndSize(<const char*>p, n))
+        cdef object got = self._bpe(PyUnicode_DecodeUTF8(<const char*>p, n, NULL))
         cdef Py_ssize_t m = len(got), k
         cdef int64_t v
         _mem.mem_reserve(<void**>&self._out, &self._out_cap, nout + m, 256, sizeof(int64_t))

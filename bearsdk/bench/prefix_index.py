@@ -9,7 +9,7 @@ Measured on an ~8k-token chat prompt against 8 instances whose indexes each hold
 on each), four ways:
 
 * ``tokenize+hash+lookup``: a new conversation, tokenized in full: with the
-  plain-ASCII fast path (:mod:`bearsdk.prompts.pretok`) whose piece table
+  plain-text fast path (:mod:`bearsdk.prompts.pretok`) whose piece table
   earlier prompts filled (the steady state), with that table empty, and with
   the ``tokenizers`` library alone;
 * ``next turn``: the conversation's next turn, the previous turn's ids reused;

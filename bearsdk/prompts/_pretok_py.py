@@ -1,4 +1,4 @@
-"""Byte-level BPE on plain-ASCII text with a piece cache: the pure-Python twin.
+"""Byte-level BPE on plain text with a piece cache: the pure-Python twin.
 
 The readable reference (and test oracle) of ``bearsdk.prompts._pretok_c``;
 :mod:`bearsdk.prompts.pretok` picks one. A byte-level BPE tokenizer
@@ -10,10 +10,12 @@ ids tokenizes a prompt with one table lookup a piece, where the ``tokenizers``
 library runs its regular expression engine over every character.
 
 The cut is each family's expression restricted to the characters it is
-exact on here: printable ASCII, tab, line feed and carriage return (where
-``\\p{L}`` is ``[A-Za-z]``, ``\\p{N}`` is ``[0-9]`` and ``\\s`` is
-``[ \\t\\n\\r]``). Text with any other character gets ``None``: the caller
-tokenizes it with the library.
+exact on here (:data:`LETTERS`, :data:`MARKS`): printable ASCII, tab, line
+feed and carriage return, the Latin-1 letters, and the dashes, curly quotes,
+bullet and ellipsis of running text. There ``\\p{L}`` is ``[A-Za-z]`` and the
+Latin-1 letters, ``\\p{N}`` is ``[0-9]``, ``\\s`` is ``[ \\t\\n\\r]`` and the
+marks are punctuation. Text with any other character gets ``None``: the
+caller tokenizes it with the library.
 """
 
 from __future__ import annotations
@@ -22,34 +24,41 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Final
 
-__all__ = ["FAMILIES", "MAX_PIECES", "MAX_PIECE_CHARS", "PieceEncoder"]
+__all__ = ["FAMILIES", "LETTERS", "MARKS", "MAX_PIECES", "MAX_PIECE_BYTES", "PieceEncoder"]
 
+LETTERS: Final = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u00ff"
+"""``\\p{L}`` on the characters the cut accepts (a character class body)."""
+MARKS: Final = "\u2013\u2014\u2018\u2019\u201c\u201d\u2022\u2026"
+"""The non-ASCII punctuation it accepts: en and em dashes, curly quotes, bullet, ellipsis."""
+
+_L = LETTERS
 # Each family's expression as the tokenizers library has it (the cut itself is
-# specified by this text), and its ASCII form for Python's re, which tries the
-# alternatives in order and backtracks as Oniguruma does.
+# specified by this text), and its form on the accepted characters for Python's
+# re, which tries the alternatives in order and backtracks as Oniguruma does.
 FAMILIES: Final[dict[str, tuple[str, str]]] = {
     "gpt2": (
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+",
+        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{_L}]+| ?[0-9]+| ?[^\s{_L}0-9]+|\s+(?!\S)|\s+",
     ),
     "llama3": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}"
-        r"| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}0-9]?[{_L}]+|[0-9]{{1,3}}"
+        rf"| ?[^\s{_L}0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
     "qwen2": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]"
-        r"| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}0-9]?[{_L}]+|[0-9]"
+        rf"| ?[^\s{_L}0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
 }
-"""Family name -> (the tokenizer's expression, its ASCII form)."""
+"""Family name -> (the tokenizer's expression, its form on the accepted characters)."""
 
-MAX_PIECE_CHARS: Final = 64
-"""Longer pieces are tokenized every time, not kept (a run of one character
-repeated, a long hash: rare, and each would take a table entry for itself)."""
+MAX_PIECE_BYTES: Final = 64
+"""Pieces longer than this in UTF-8 are tokenized every time, not kept (a run
+of one character repeated, a long hash: rare, and each would take a table
+entry for itself)."""
 
 MAX_ID: Final = 0x7FFFFFFF
 """The largest token id (ids are kept as 32-bit integers)."""
@@ -57,7 +66,7 @@ MAX_ID: Final = 0x7FFFFFFF
 MAX_PIECES: Final = 1 << 24
 """The largest ``max_pieces``."""
 
-_UNSAFE: Final = re.compile(r"[^\t\n\r\x20-\x7e]")
+_UNSAFE: Final = re.compile(f"[^\\t\\n\\r\\x20-\\x7e{LETTERS[6:]}{MARKS}]")
 
 
 class PieceEncoder:
@@ -93,7 +102,7 @@ class PieceEncoder:
         """``text`` cut into pieces, or ``None`` when it has a character the cut is not exact on."""
         if type(text) is not str:
             raise TypeError(f"text must be a str (got {type(text).__name__})")
-        if not text.isascii() or _UNSAFE.search(text):
+        if _UNSAFE.search(text):
             return None
         return self._cut.findall(text)
 
@@ -111,7 +120,7 @@ class PieceEncoder:
                 for i in got:
                     if not 0 <= i <= MAX_ID:
                         raise ValueError(f"bpe: token id must be in 0..{MAX_ID} (got {i})")
-                if len(p) <= MAX_PIECE_CHARS:
+                if len(p.encode()) <= MAX_PIECE_BYTES:
                     if len(kept) >= self.max_pieces:
                         kept.clear()
                     kept[p] = got

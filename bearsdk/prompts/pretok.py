@@ -1,17 +1,19 @@
-"""Byte-level BPE tokenizers' plain-ASCII text tokenized from a piece table.
+"""Byte-level BPE tokenizers' plain text tokenized from a piece table.
 
 A never-seen 8k-token prompt costs the ``tokenizers`` library about 8 ms on a
 small core, nearly all of it its regular expression engine cutting the text
 into pieces (``bench prefix-index``); BPE then runs on each piece alone. For
 the byte-level BPE families whose cut is known here (GPT-2's, Llama 3's,
 Qwen2's expression, recognised by their exact text in ``tokenizer.json``),
-:class:`FastPath` cuts plain-ASCII text with a compiled matcher, looks each
+:class:`FastPath` cuts plain text with a compiled matcher, looks each
 piece's ids up in a bounded table, and asks the tokenizer's own BPE model only
 for pieces it has not kept: the same ids as the library, about a tenth of the
 time once the common words are in the table.
 
 It declines (``None``: the caller tokenizes with the library) where it is not
-exact: a character outside printable ASCII, tab, LF and CR; an added token's
+exact: a character outside printable ASCII, tab, LF, CR, the Latin-1 letters
+and the common dashes, curly quotes, bullet and ellipsis (only the stretch
+around it goes to the library, :meth:`FastPath.cut`); an added token's
 text in the segment; and, by :func:`fast_path`, any tokenizer it does not
 recognise in full (normaliser, pre-tokeniser, model, truncation, padding).
 ``BEARSDK_NO_EXTENSIONS=1`` selects the pure-Python twin
@@ -47,17 +49,32 @@ IMPLEMENTATION: Final = "python" if _impl is _pretok_py else "cython"
 DEFAULT_MAX_PIECES: Final = 1 << 17
 """Pieces kept per tokenizer by default (about 3 MB at most, compiled)."""
 
-# GPT-2's bytes-to-characters map on the characters the cut accepts: the
-# printable ones are themselves.
-_BYTE_CHARS: Final = {0x20: "\u0120", 0x09: "\u0109", 0x0A: "\u010a", 0x0D: "\u010d"}
-_IDENTITY_NORMALIZERS: Final = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's bytes-to-characters map (every byte-level BPE uses it), keyed
+    by the byte as a Latin-1 code point: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(0x100 + n)
+            n += 1
+    return out
+
+
+_BYTE_CHARS: Final = str.maketrans(_gpt2_byte_chars())
+# NFC leaves every accepted character as it is (NFD splits the accented
+# letters, NFKC the ellipsis).
+_IDENTITY_NORMALIZERS: Final = frozenset({"NFC"})
 
 
 def family_of(config: dict[str, Any]) -> str | None:
     """The cut family of a parsed ``tokenizer.json``; ``None`` where the fast path is not exact.
 
     Recognised: a BPE model without dropout, suffixes or byte fallback; no
-    normaliser or a Unicode normal form (the identity on ASCII); GPT-2's
+    normaliser or NFC (the identity on the accepted characters); GPT-2's
     ``ByteLevel`` pre-tokeniser, or a ``Split`` on Llama 3's or Qwen2's
     expression (isolated, not inverted) before a ``ByteLevel`` without its
     own expression; no prefix space, truncation or padding.
@@ -138,8 +155,8 @@ class FastPath:
 
         Where the text has characters the fast path is not exact on, only the
         stretch from a piece boundary before the first of them to one after
-        the last goes to the library: a space after a printable non-space
-        character starts a piece in every family, whatever came before, and
+        the last goes to the library: a space after a printable ASCII
+        character starts a piece in every family, whatever came before it, and
         the expressions look neither behind nor, there, ahead. The middle is
         empty when the fast path takes it all, the whole text when it holds
         an added token.
@@ -164,8 +181,9 @@ class FastPath:
         return any(c in text for c in self._firsts) and any(t in text for t in self.added)
 
 
-_UNSAFE: Final = re.compile(r"[^\t\n\r\x20-\x7e]")
-_LAST_UNSAFE: Final = re.compile(r"(?s:.*)([^\t\n\r\x20-\x7e])")
+_ACCEPTED: Final = f"\\t\\n\\r\\x20-\\x7e{_pretok_py.LETTERS[6:]}{_pretok_py.MARKS}"
+_UNSAFE: Final = re.compile(f"[^{_ACCEPTED}]")
+_LAST_UNSAFE: Final = re.compile(f"(?s:.*)([^{_ACCEPTED}])")
 # A space starts a piece when the character before it is printable and not a space.
 _PIECE_START: Final = re.compile(r"(?<=[\x21-\x7e]) ")
 
@@ -211,11 +229,11 @@ def fast_path(tokenizer: Any, max_pieces: int = DEFAULT_MAX_PIECES) -> FastPath 
 
 def piece_bpe(model: Any) -> Callable[[str], list[int]]:
     """One piece's ids from a byte-level BPE model (``Tokenizer.model``), as
-    the library computes them after its cut: the piece's bytes as GPT-2's
-    characters, then the model."""
-    table = str.maketrans(_BYTE_CHARS)
+    the library computes them after its cut: the piece's UTF-8 bytes as
+    GPT-2's characters, then the model."""
 
     def bpe(piece: str) -> list[int]:
-        return [t.id for t in model.tokenize(piece.translate(table))]
+        mapped = piece.encode("utf-8").decode("latin-1").translate(_BYTE_CHARS)
+        return [t.id for t in model.tokenize(mapped)]
 
     return bpe

@@ -21,7 +21,7 @@ tokenizes only those it has not seen: a conversation's next turn costs its new
 messages, a shared system prompt nothing. Whether the tokenizer really splits
 that way is checked once, when it is built, on its own special tokens; where it
 does not (a SentencePiece-style tokenizer that marks the start of a text),
-every prompt is tokenized in full. A new segment of plain-ASCII text, for a
+every prompt is tokenized in full. A new segment of plain text, for a
 byte-level BPE tokenizer of a family it knows, is tokenized piece by piece
 from a table (:mod:`bearsdk.prompts.pretok`) rather than by the library.
 """
@@ -67,7 +67,7 @@ class ChatTokenizer:
             cut into segments).
         cache_tokens: Most token ids kept from earlier segments, all requests
             together (``0``: every prompt tokenized in full).
-        fast_pieces: Most pieces the plain-ASCII fast path keeps
+        fast_pieces: Most pieces the plain-text fast path keeps
             (:mod:`bearsdk.prompts.pretok`; ``0``: the library tokenizes
             everything). It is used only where the tokenizer is one it is
             exact for.
