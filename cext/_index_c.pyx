@@ -20,9 +20,12 @@
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_DATA, PyUnicode_KIND, PyUnicode_READ
 
 cimport _mem
+from _pyint cimport is_key
 
 cdef extern from *:
     """
@@ -34,7 +37,7 @@ cdef extern from *:
     uint64_t BEAR_XXPRIME_2
     uint64_t BEAR_XXPRIME_5
 
-__all__ = ["PrefixCore", "chain_keys", "extend_chain", "hash_key", "text_chain"]
+__all__ = ["PrefixCore", "chain_keys", "extend_chain", "hash_key", "text_chain", "token_ids"]
 
 cdef uint64_t KEY_MASK = 0x7FFFFFFFFFFFFFFF
 cdef uint64_t MODULUS = 0x1FFFFFFFFFFFFFFF  # CPython's _PyHASH_MODULUS, 2**61 - 1
@@ -120,6 +123,40 @@ def chain_keys(tokens, int block_size, start=()):
     cdef uint64_t parent = keys[len(keys) - 1] if keys else ROOT
     keys.extend(_extend(parent, tokens, len(keys), block_size))
     return keys
+
+
+def token_ids(value):
+    """A list copy of ``value`` when it is a list or tuple of ints in [0, 2**63),
+    else None (the caller says which element is wrong); see
+    :func:`bearsdk.kvevents._index_py.token_ids`."""
+    cdef Py_ssize_t i, n
+    cdef list out
+    cdef list lst
+    cdef tuple tup
+    cdef object v
+    if type(value) is list:
+        lst = <list>value
+        n = len(lst)
+        out = PyList_New(n)
+        for i in range(n):
+            v = lst[i]
+            if not is_key(v):
+                return None
+            Py_INCREF(v)
+            PyList_SET_ITEM(out, i, v)
+        return out
+    if type(value) is tuple:
+        tup = <tuple>value
+        n = len(tup)
+        out = PyList_New(n)
+        for i in range(n):
+            v = tup[i]
+            if not is_key(v):
+                return None
+            Py_INCREF(v)
+            PyList_SET_ITEM(out, i, v)
+        return out
+    return None
 
 
 def extend_chain(parent, tokens, int block_size):

@@ -23,7 +23,13 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from bearsdk._twins import available
 from bearsdk.prompts import _pretok_py
-from bearsdk.prompts.pretok import FastPath, _gpt2_byte_chars, family_of, fast_path, piece_bpe
+from bearsdk.prompts.pretok import (
+    FastPath,
+    _gpt2_byte_chars,
+    family_of,
+    fast_path,
+    piece_bpe,
+)
 from bearsdk.prompts.template import ChatTemplate
 from bearsdk.prompts.tokenizer import ChatTokenizer
 
@@ -275,3 +281,12 @@ def test_only_the_stretch_it_is_not_exact_on_goes_to_the_library(
         # than the stretch between the spaces around them.
         assert fp.encoder.pieces(text.replace(middle, "", 1)) is not None
         assert middle == text or middle[0] == " " or text.startswith(middle)
+
+
+def test_a_bad_table_size_is_named(tokenizers_by_family: dict[str, Any]) -> None:
+    from bearsdk.prompts.tokenizer import TokenizerError
+
+    tok = tokenizers_by_family["gpt2"]
+    for bad in (-1, 1.5, "x", 1 << 30):
+        with pytest.raises(TokenizerError, match=r"fast_pieces must be an int in 0\.\.\d+ \(got "):
+            ChatTokenizer(tok, None, frozenset(), 0, fast_pieces=bad)  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bearsdk._twins import available
+from bearsdk.kvevents import _index_py
 from bearsdk.router.errors import MAX_PROMPT_TOKEN_IDS, RequestError, check_token_ids
 
 
@@ -72,3 +74,21 @@ def test_a_list_is_copied_not_shared() -> None:
     assert got == ids
     assert got is not ids
     assert check_token_ids(None) is None
+
+
+_C = available("bearsdk.kvevents._index_c")
+
+
+@pytest.mark.skipif(_C is None, reason="the compiled index is not built")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_element, max_size=12), st.booleans())
+def test_both_twins_take_the_same_lists(ids: list[Any], as_tuple: bool) -> None:
+    # The fast check: a list copy of plain ints in range, else None (the caller
+    # then names the element); a list subclass or any other sequence is None.
+    value = tuple(ids) if as_tuple else ids
+    assert _C is not None
+    want = _index_py.token_ids(value)
+    assert _C.token_ids(value) == want
+    assert want is None or (want == value if not as_tuple else want == ids)
+    assert _C.token_ids(type("L", (list,), {})(ids)) is None
+    assert _C.token_ids(np.array([1, 2])) is None

@@ -28,7 +28,15 @@ if TYPE_CHECKING:
 
 _impl: ModuleType = compiled("bearsdk.kvevents._index_c") or _index_py
 
-__all__ = ["IMPLEMENTATION", "PrefixIndex", "chain_keys", "extend_chain", "hash_key", "text_chain"]
+__all__ = [
+    "IMPLEMENTATION",
+    "PrefixIndex",
+    "chain_keys",
+    "extend_chain",
+    "hash_key",
+    "text_chain",
+    "token_ids",
+]
 
 IMPLEMENTATION = "python" if _impl is _index_py else "cython"
 """Which twin is in use."""
@@ -40,6 +48,8 @@ extend_chain: Callable[[int | None, Sequence[int], int], list[int]] = _impl.exte
 text_chain: Callable[[str, int], list[int]] = _impl.text_chain
 """Keys of a text's character blocks, for routers without the model's tokenizer
 (:func:`bearsdk.kvevents._index_py.text_chain`)."""
+token_ids: Callable[[object], list[int] | None] = _impl.token_ids
+"""A copy of a list or tuple of token ids (ints in ``[0, 2**63)``), else ``None``."""
 hash_key: Callable[[bytes | int], int] = _impl.hash_key
 """vLLM's block hash as a 63-bit key: its last 8 bytes (see ``_index_py.hash_key``)."""
 

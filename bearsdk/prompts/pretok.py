@@ -36,6 +36,7 @@ from bearsdk.prompts import _pretok_py
 __all__ = [
     "DEFAULT_MAX_PIECES",
     "IMPLEMENTATION",
+    "MAX_PIECES",
     "FastPath",
     "family_of",
     "fast_path",
@@ -46,6 +47,8 @@ _impl: ModuleType = compiled("bearsdk.prompts._pretok_c") or _pretok_py
 IMPLEMENTATION: Final = "python" if _impl is _pretok_py else "cython"
 """Which twin :class:`FastPath` uses."""
 
+MAX_PIECES: Final = _pretok_py.MAX_PIECES
+"""The largest piece table."""
 DEFAULT_MAX_PIECES: Final = 1 << 17
 """Pieces kept per tokenizer by default (about 3 MB at most, compiled)."""
 

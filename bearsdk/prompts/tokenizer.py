@@ -40,7 +40,7 @@ import orjson
 
 from bearsdk.errors import BearError, short_repr
 from bearsdk.prompts.ids import PromptIds
-from bearsdk.prompts.pretok import DEFAULT_MAX_PIECES, FastPath, fast_path
+from bearsdk.prompts.pretok import DEFAULT_MAX_PIECES, MAX_PIECES, FastPath, fast_path
 from bearsdk.prompts.template import ChatTemplate, ChatTemplateError
 
 __all__ = ["ChatTokenizer", "PromptIds", "TokenizerError", "load_chat_tokenizer"]
@@ -83,7 +83,7 @@ class ChatTokenizer:
     template: ChatTemplate | None
     special_ids: frozenset[int] = frozenset()
     cache_tokens: int = 4_000_000
-    fast_pieces: int = DEFAULT_MAX_PIECES
+    fast_pieces: int = attrs.field(default=DEFAULT_MAX_PIECES)
     split_at_specials: bool = attrs.field(init=False, default=False)
     tokenized: int = attrs.field(init=False, default=0)
     reused: int = attrs.field(init=False, default=0)
@@ -92,6 +92,13 @@ class ChatTokenizer:
     _segments: OrderedDict[str, array.array[int]] = attrs.field(init=False, factory=OrderedDict)
     _held: int = attrs.field(init=False, default=0)
     _fast: FastPath | None = attrs.field(init=False, default=None)
+
+    @fast_pieces.validator
+    def _check_fast_pieces(self, _a: attrs.Attribute[int], value: int) -> None:
+        if type(value) is not int or not 0 <= value <= MAX_PIECES:
+            raise TokenizerError(
+                f"fast_pieces must be an int in 0..{MAX_PIECES} (got {short_repr(value)})"
+            )
 
     def __attrs_post_init__(self) -> None:
         for i in sorted(self.special_ids):
