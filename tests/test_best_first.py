@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -291,6 +292,35 @@ def test_an_overload_is_priced_out_to_the_second_look_at_once() -> None:
     assert on_time.chosen.feasible
     again = _decide(core, feed, pred, ttft_target=0.02)
     assert [repr(c) for c in again.candidates] == [repr(c) for c in first.candidates]
+
+
+def test_overload_pricing_replays_to_the_second_look_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Counted in replays: the first decision replays three instances to the
+    # 10 ms horizon (their queues are empty: no bound), then one of them 8x
+    # further; the next replays none to the horizon first, and no more in all.
+    from bearsdk.estimators.bea import BEAEstimator
+
+    horizons: list[float] = []
+    real = BEAEstimator.ttft
+
+    def spy(self: BEAEstimator, *a: Any, **kw: Any) -> float:
+        horizons.append(float(kw["horizon_s"]))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(BEAEstimator, "ttft", spy)
+    pred = _prediction([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
+    core, feed = _router([2, 1, 1, 2, 2], [0, 0, 0, 4, 40], BEAR())
+    first = _decide(core, feed, pred, ttft_target=0.005)
+    assert sorted(horizons) == [0.01, 0.01, 0.01, 0.08]
+    n_first = len(horizons)
+    horizons.clear()
+    second = _decide(core, feed, pred, ttft_target=0.005)
+    assert horizons == [0.08] * len(horizons)
+    assert 0 < len(horizons) <= n_first
+    assert second.instance == first.instance == "i2"
+    assert second.chosen.ttft_s == first.chosen.ttft_s
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
