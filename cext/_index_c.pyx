@@ -22,6 +22,7 @@ from libc.stdlib cimport free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
+from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.unicode cimport PyUnicode_DATA, PyUnicode_KIND, PyUnicode_READ
 
 cimport _mem
@@ -131,32 +132,18 @@ def token_ids(value):
     :func:`bearsdk.kvevents._index_py.token_ids`."""
     cdef Py_ssize_t i, n
     cdef list out
-    cdef list lst
-    cdef tuple tup
     cdef object v
-    if type(value) is list:
-        lst = <list>value
-        n = len(lst)
-        out = PyList_New(n)
-        for i in range(n):
-            v = lst[i]
-            if not is_key(v):
-                return None
-            Py_INCREF(v)
-            PyList_SET_ITEM(out, i, v)
-        return out
-    if type(value) is tuple:
-        tup = <tuple>value
-        n = len(tup)
-        out = PyList_New(n)
-        for i in range(n):
-            v = tup[i]
-            if not is_key(v):
-                return None
-            Py_INCREF(v)
-            PyList_SET_ITEM(out, i, v)
-        return out
-    return None
+    if type(value) is not list and type(value) is not tuple:
+        return None
+    n = PySequence_Fast_GET_SIZE(value)
+    out = PyList_New(n)
+    for i in range(n):
+        v = <object>PySequence_Fast_GET_ITEM(value, i)
+        if not is_key(v):
+            return None
+        Py_INCREF(v)
+        PyList_SET_ITEM(out, i, v)
+    return out
 
 
 def extend_chain(parent, tokens, int block_size):

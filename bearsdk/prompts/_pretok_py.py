@@ -24,12 +24,25 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Final
 
-__all__ = ["FAMILIES", "LETTERS", "MARKS", "MAX_PIECES", "MAX_PIECE_BYTES", "PieceEncoder"]
+__all__ = [
+    "ACCEPTED",
+    "FAMILIES",
+    "LATIN1_LETTERS",
+    "LETTERS",
+    "MARKS",
+    "MAX_PIECES",
+    "MAX_PIECE_BYTES",
+    "PieceEncoder",
+]
 
-LETTERS: Final = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u00ff"
+LATIN1_LETTERS: Final = "\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u00ff"
+"""The Latin-1 letters (a character class body): U+00C0-U+00FF but U+00D7 and U+00F7."""
+LETTERS: Final = "A-Za-z" + LATIN1_LETTERS
 """``\\p{L}`` on the characters the cut accepts (a character class body)."""
 MARKS: Final = "\u2013\u2014\u2018\u2019\u201c\u201d\u2022\u2026"
 """The non-ASCII punctuation it accepts: en and em dashes, curly quotes, bullet, ellipsis."""
+ACCEPTED: Final = "\\t\\n\\r\\x20-\\x7e" + LATIN1_LETTERS + MARKS
+"""Every character the cut accepts (a character class body)."""
 
 _L = LETTERS
 # Each family's expression as the tokenizers library has it (the cut itself is
@@ -66,7 +79,7 @@ MAX_ID: Final = 0x7FFFFFFF
 MAX_PIECES: Final = 1 << 24
 """The largest ``max_pieces``."""
 
-_UNSAFE: Final = re.compile(f"[^\\t\\n\\r\\x20-\\x7e{LETTERS[6:]}{MARKS}]")
+_UNSAFE: Final = re.compile(f"[^{ACCEPTED}]")
 
 
 class PieceEncoder:

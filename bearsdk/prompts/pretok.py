@@ -184,10 +184,9 @@ class FastPath:
         return any(c in text for c in self._firsts) and any(t in text for t in self.added)
 
 
-_ACCEPTED: Final = f"\\t\\n\\r\\x20-\\x7e{_pretok_py.LETTERS[6:]}{_pretok_py.MARKS}"
-_UNSAFE: Final = re.compile(f"[^{_ACCEPTED}]")
-_LAST_UNSAFE: Final = re.compile(f"(?s:.*)([^{_ACCEPTED}])")
-# A space starts a piece when the character before it is printable and not a space.
+_UNSAFE: Final = re.compile(f"[^{_pretok_py.ACCEPTED}]")
+_LAST_UNSAFE: Final = re.compile(f"(?s:.*)([^{_pretok_py.ACCEPTED}])")
+# A space starts a piece when the character before it is printable ASCII, not a space.
 _PIECE_START: Final = re.compile(r"(?<=[\x21-\x7e]) ")
 
 
