@@ -679,14 +679,19 @@ cdef void wq_remove(St* st, int32_t s) noexcept nogil:
             return
 
 
-cdef void run_remove(St* st, int32_t s) noexcept nogil:
+cdef void remove_first(int32_t* a, int64_t* n, int32_t s) noexcept nogil:
+    """Remove s's first occurrence from a[:n], keeping the order of the rest."""
     cdef int64_t i, j
-    for i in range(st.n_run):
-        if st.run[i] == s:
-            for j in range(i, st.n_run - 1):
-                st.run[j] = st.run[j + 1]
-            st.n_run -= 1
+    for i in range(n[0]):
+        if a[i] == s:
+            for j in range(i, n[0] - 1):
+                a[j] = a[j + 1]
+            n[0] -= 1
             return
+
+
+cdef inline void run_remove(St* st, int32_t s) noexcept nogil:
+    remove_first(st.run, &st.n_run, s)
 
 
 # ---------------------------------------------------------------------------
@@ -854,14 +859,8 @@ cdef int ex_insert(St* st, int32_t s) except -1 nogil:
     return 0
 
 
-cdef void ex_remove(St* st, int32_t s) noexcept nogil:
-    cdef int64_t i, j
-    for i in range(st.n_ex):
-        if st.ex[i] == s:
-            for j in range(i, st.n_ex - 1):
-                st.ex[j] = st.ex[j + 1]
-            st.n_ex -= 1
-            return
+cdef inline void ex_remove(St* st, int32_t s) noexcept nogil:
+    remove_first(st.ex, &st.n_ex, s)
 
 
 cdef bint foldable(St* st, int32_t s, Batch* u) noexcept nogil:
