@@ -358,7 +358,7 @@ def _parser(limit: int = 1 << 20) -> Any:
         def clock(self) -> float:
             return 0.0
 
-        def first_token(self, *a: object) -> None: ...
+        def first_token(self, *a: object, now: float | None = None) -> None: ...
 
         def completed(self, inst: object, d: object, outcome: str, *a: object) -> None:
             self.finished.append(outcome)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import anyio.lowlevel
 import orjson
 import pytest
 
@@ -78,3 +79,40 @@ def test_metrics_without_prometheus_is_a_clear_error(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(Exception, match=r"pip install 'bearsdk\[metrics\]'"):
         PrometheusMetrics()
+
+
+async def test_deferred_metrics_record_at_the_next_loop_turn_not_in_the_request_path() -> None:
+    registry = prom.CollectorRegistry()
+    async with EnginePool.of("qwen3-0.6b-h100") as pool:
+        cfgs = [
+            InstanceConfig(name=e.instance, url=e.url, model=e.model_name, profile=e.config.profile)
+            for e in pool
+        ]
+        async with AsyncRouter(cfgs, BEAR(), retries=0) as router:
+            PrometheusMetrics(registry, defer=True).attach(router)
+            name = cfgs[0].name
+            router.decide(MSG, ttft_target=5.0)
+            count = registry.get_sample_value("bearsdk_decision_seconds_count")
+            # Decided, not yet recorded: that waits for the loop's next turn.
+            assert count in (None, 0.0)
+            await anyio.lowlevel.checkpoint()
+            assert registry.get_sample_value("bearsdk_decision_seconds_count") == 1
+            stream = await router.chat(MSG, stream=True, max_tokens=3, ttft_target=5.0)
+            async for _chunk in stream:
+                pass
+            await anyio.lowlevel.checkpoint()
+            assert registry.get_sample_value("bearsdk_decision_seconds_count") == 2
+            assert registry.get_sample_value("bearsdk_ttft_seconds_count", {"instance": name}) == 1
+            labels = {"instance": name, "outcome": "ok"}
+            assert registry.get_sample_value("bearsdk_requests_total", labels) == 1
+
+
+def test_deferred_metrics_without_a_running_loop_record_at_once() -> None:
+    registry = prom.CollectorRegistry()
+    cfg = InstanceConfig(
+        name="a", url="http://127.0.0.1:9", model="Qwen/Qwen3-8B", profile="qwen3-8b-h100"
+    )
+    router = AsyncRouter([cfg], BEAR())
+    PrometheusMetrics(registry, defer=True).attach(router)
+    router.decide(MSG, ttft_target=5.0)
+    assert registry.get_sample_value("bearsdk_decision_seconds_count") == 1

@@ -331,3 +331,28 @@ def test_request_ids_are_fixed_width() -> None:
     ids = [router.decide(MSG).request_id for _ in range(12)]
     assert len({len(i) for i in ids}) == 1
     assert not any(a in b for a in ids for b in ids if a != b)
+
+
+async def test_a_streams_first_token_is_reported_after_the_caller_has_it() -> None:
+    # The router's bookkeeping must not delay the first chunk (a gateway passes it
+    # on at once); it is reported once the caller asks for more, with the time
+    # the chunk arrived, and before the request completes.
+    seen: list[tuple[str, float]] = []
+    async with engines() as pool, AsyncRouter(configs(pool), BEAR(), retries=0) as router:
+        hooks = router.hooks
+        hooks.on_first_token.append(lambda d, name, observed: seen.append(("first", observed)))
+        hooks.on_complete.append(lambda d, name, outcome: seen.append((outcome, 0.0)))
+        stream = await router.chat(MSG, stream=True, max_tokens=4, ttft_target=5.0)
+        it = stream.__aiter__()
+        await it.__anext__()
+        assert stream.ttft_s is not None
+        assert seen == []
+        rest = await drain(it)
+        assert rest >= 1
+        assert seen == [("first", stream.ttft_s), ("ok", 0.0)]
+        # Closed right after its first chunk: reported first, then cancelled.
+        seen.clear()
+        stream = await router.chat(MSG, stream=True, max_tokens=40, ttft_target=5.0)
+        await stream.__aiter__().__anext__()
+        await stream.aclose()
+        assert seen == [("first", stream.ttft_s), ("cancelled", 0.0)]

@@ -9,7 +9,13 @@
    steady 200 requests/s alternating the two paths. The engine is a stub that
    answers at once (8 chunks), so the difference is the router's own cost
    (decision, dispatch, streaming pass-through). Targets: added p50 ≤ 0.5 ms,
-   p99 ≤ 2 ms.
+   p99 ≤ 2 ms. The router goes by its own client (:mod:`bearsdk.io.hop` when
+   ``httptools`` is installed), the direct calls by an aiohttp session.
+3. **CPU per request**: the process's CPU time per streamed request at the same
+   steady rate, routed and direct in alternating phases, with the stub engine
+   in a child process so that only the caller and the router are counted; the
+   difference is what routing costs the caller's process (snapshot polling
+   included). Target: ≤ 0.3 ms.
 """
 
 from __future__ import annotations
@@ -19,15 +25,14 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import anyio
 import orjson
-from aiohttp import web
 
 from bearsdk.bench import time_call
+from bearsdk.bench._stubs import stub_engine
 from bearsdk.cli import positive_float, positive_int
 from bearsdk.errors import BearError
 from bearsdk.predictors import Predictor
@@ -101,81 +106,6 @@ def decision_latency(n: int, rounds: int) -> dict[str, Any]:
     }
 
 
-async def serve_stub(
-    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    name: str,
-    task_status: Any,
-    backlog: int = 128,
-) -> None:
-    """Serve a stub engine on a free loopback port until cancelled; started with its URL.
-
-    ``chat`` answers ``/v1/chat/completions``; ``/bear/snapshot`` says the engine
-    is empty (so the router replays it) and ``/bear/batches`` is 404 (its
-    profile's coefficients are kept).
-    """
-
-    async def not_found(request: web.Request) -> web.Response:
-        return web.Response(status=404)
-
-    async def snapshot(request: web.Request) -> web.Response:
-        doc = {
-            "schema": "bear.snapshot/1",
-            "instance": name,
-            "seq": int(time.time() * 1e3),
-            "time": time.time(),
-            "requests": [],
-        }
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/bear/batches", not_found)
-    app.router.add_get("/bear/snapshot", snapshot)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=backlog)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        task_status.started(f"http://127.0.0.1:{port}")
-        await anyio.sleep_forever()
-    finally:
-        await runner.cleanup()
-
-
-async def _stub_engine(task_status: Any) -> None:
-    """An engine that answers every chat completion at once with 8 chunks."""
-    created = int(time.time())
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(8):
-            chunk = {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": "m",
-                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
-            }
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        usage = {
-            "id": "x",
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": "m",
-            "choices": [],
-            "usage": {"prompt_tokens": 50, "completion_tokens": 8, "total_tokens": 58},
-        }
-        await resp.write(b"data: " + orjson.dumps(usage) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    await serve_stub(chat, "stub", task_status)
-
-
 async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
     """Added time-to-first-chunk and time-to-last-chunk of routing a stream.
 
@@ -193,11 +123,11 @@ async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
     direct: dict[str, list[float]] = {"first": [], "last": []}
     routed: dict[str, list[float]] = {"first": [], "last": []}
     async with anyio.create_task_group() as tg:
-        url = await tg.start(_stub_engine)
+        url = await tg.start(stub_engine)
         cfgs = _configs(3, url)
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         try:
-            async with AsyncRouter(cfgs, BEAR(), session=session, calibrate=False) as router:
+            async with AsyncRouter(cfgs, BEAR(), calibrate=False) as router:
 
                 async def via_router() -> None:
                     t0 = time.perf_counter()
@@ -256,10 +186,74 @@ async def proxy_overhead(rate: float, seconds: float) -> dict[str, Any]:
     return out
 
 
+async def cpu_per_request(rate: float, requests: int, phases: int = 4) -> dict[str, Any]:
+    """CPU milliseconds of this process per streamed request, routed and direct.
+
+    The stub engine runs in a child process. Each path gets ``phases`` phases of
+    ``requests / phases`` requests at ``rate``, alternating, after a warm-up.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from bearsdk.bench.gateway._procs import _Procs, _start_engines
+
+    messages = [{"role": "user", "content": PROMPT}]
+    body = orjson.dumps({"messages": messages, "stream": True, "max_tokens": 8})
+    headers = {"Content-Type": "application/json"}
+    per = max(1, requests // phases)
+    cpu = {"router": 0.0, "direct": 0.0}
+    with tempfile.TemporaryDirectory(prefix="bearsdk-bench-") as tmp:
+        procs = _Procs()
+        try:
+            _, urls = _start_engines(procs, Path(tmp), 0.25)
+            url = urls["fast"][0]
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            try:
+                async with AsyncRouter(_configs(3, url), BEAR(), calibrate=False) as router:
+
+                    async def routed() -> None:
+                        stream = await router.chat(messages, stream=True, max_tokens=8)
+                        async for _ in stream:
+                            pass
+
+                    async def direct() -> None:
+                        target = url + "/v1/chat/completions"
+                        async with session.post(target, data=body, headers=headers) as resp:
+                            async for _ in resp.content:
+                                pass
+
+                    for call in (routed, direct):
+                        for _ in range(min(per, 100)):
+                            await call()
+                    for _ in range(phases):
+                        for name, call in (("router", routed), ("direct", direct)):
+                            c0, start = time.process_time(), time.perf_counter()
+                            async with anyio.create_task_group() as load:
+                                for i in range(per):
+                                    delay = start + i / rate - time.perf_counter()
+                                    if delay > 0:
+                                        await anyio.sleep(delay)
+                                    load.start_soon(call)
+                            cpu[name] += time.process_time() - c0
+            finally:
+                await session.close()
+        finally:
+            procs.close()
+    n = per * phases
+    return {
+        "rate_rps": rate,
+        "requests_per_path": n,
+        "router_ms": round(cpu["router"] / n * 1e3, 4),
+        "direct_ms": round(cpu["direct"] / n * 1e3, 4),
+        "added_ms": round((cpu["router"] - cpu["direct"]) / n * 1e3, 4),
+    }
+
+
 def _main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"decision": [decision_latency(n, args.rounds) for n in (3, 8)]}
     if not args.skip_proxy:
         report["proxy"] = anyio.run(proxy_overhead, args.rate, args.seconds)
+        report["cpu"] = anyio.run(cpu_per_request, args.rate, int(args.rate * args.seconds))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -281,6 +275,13 @@ def _main(args: argparse.Namespace) -> int:
                 f"router p50 {x['router_p50_ms']:.3f} p99 {x['router_p99_ms']:.3f} | "
                 f"added p50 {x['added_p50_ms']:.3f} p99 {x['added_p99_ms']:.3f}"
             )
+        c = report["cpu"]
+        print(
+            f"CPU per streamed request at {c['rate_rps']:.0f} requests/s "
+            f"({c['requests_per_path']} per path, engine in another process), ms: "
+            f"routed {c['router_ms']:.3f} | direct {c['direct_ms']:.3f} | "
+            f"added {c['added_ms']:.3f} (target <= 0.3)"
+        )
     return 0
 
 

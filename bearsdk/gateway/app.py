@@ -11,6 +11,7 @@ passed. Errors have OpenAI's JSON shape and status codes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -86,8 +87,12 @@ async def _read_json(request: web.Request, gw: Gateway) -> Any:
     limit = gw.config.server.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    with anyio.fail_after(gw.config.server.body_timeout_s):
+    if request.content.is_eof():
+        # The whole body came with the head (the usual case): nothing to wait for.
         raw = await request.read()
+    else:
+        with anyio.fail_after(gw.config.server.body_timeout_s):
+            raw = await request.read()
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -209,10 +214,8 @@ async def _serve(
         gw.record(d, key, model, req.tpot_target_s)
         info.decision = d.request_id
         if gw.metrics is not None:
-            pair = gw.metrics.pair(model, d.chosen.model)
-            pair.prediction_duration.observe(d.decide_s)
-            if math.isfinite(d.chosen.ttft_s):
-                pair.predicted_ttft.observe(d.chosen.ttft_estimate_s)
+            # While the engine works on the request, not before it is sent.
+            asyncio.get_running_loop().call_soon(_observe_decision, gw, model, d)
         send = gw.router.chat if req.kind == "chat" else gw.router.completions
         try:
             result = await send(
@@ -249,6 +252,14 @@ async def _serve(
         return resp
     finally:
         lease.release(used)
+
+
+def _observe_decision(gw: Gateway, model: str, d: Decision) -> None:
+    assert gw.metrics is not None
+    pair = gw.metrics.pair(model, d.chosen.model)
+    pair.prediction_duration.observe(d.decide_s)
+    if math.isfinite(d.chosen.ttft_s):
+        pair.predicted_ttft.observe(d.chosen.ttft_estimate_s)
 
 
 def _total_tokens(usage: object) -> int | None:
@@ -448,7 +459,7 @@ def build_app(router: AsyncRouter, config: GatewayConfig) -> web.Application:
         from bearsdk.router import PrometheusMetrics
 
         registry = prometheus_client.CollectorRegistry()
-        PrometheusMetrics(registry).attach(router)
+        PrometheusMetrics(registry, defer=True).attach(router)
         gm = GatewayMetrics(registry)
     except ImportError:
         pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import anyio
@@ -32,7 +32,10 @@ from bearsdk.router.errors import (
     short,
 )
 from bearsdk.router.slot import InstanceSlot
-from bearsdk.router.stream import ChatResponse, ChatStream, exc_text
+from bearsdk.router.stream import ChatResponse, ChatStream, EngineResponse, exc_text
+
+if TYPE_CHECKING:
+    from bearsdk.io.hop import HopSession
 
 __all__ = ["Dispatcher"]
 
@@ -54,6 +57,8 @@ class Dispatcher:
         max_event_bytes: Largest SSE line or event of a streamed response.
         max_body_bytes: Largest whole (not streamed) response body.
         session: The HTTP session (set while the router runs).
+        hop: The lean client requests go by instead, when set
+            (:mod:`bearsdk.io.hop`; the router's own, without a caller's session).
     """
 
     core: RouterCore
@@ -62,6 +67,7 @@ class Dispatcher:
     max_event_bytes: int = 1 << 20
     max_body_bytes: int = 64 << 20
     session: aiohttp.ClientSession | None = None
+    hop: HopSession | None = None
 
     async def send(
         self,
@@ -161,7 +167,7 @@ class Dispatcher:
         d: Decision,
         timeout_s: float | None = None,
         stream: bool = True,
-    ) -> tuple[aiohttp.ClientResponse, float]:
+    ) -> tuple[EngineResponse, float]:
         assert self.session is not None
         cfg = inst.config
         total = cfg.timeout_s if timeout_s is None else timeout_s
@@ -174,13 +180,21 @@ class Dispatcher:
         self.core.sent(inst, d, now)
         try:
             try:
+                data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+                headers = {"Content-Type": "application/json", "X-Request-Id": d.request_id}
+                resp: EngineResponse
                 with anyio.fail_after(head):
-                    resp = await self.session.post(
-                        cfg.url + path,
-                        data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                        headers={"Content-Type": "application/json", "X-Request-Id": d.request_id},
-                        timeout=aiohttp.ClientTimeout(total=total),
-                    )
+                    if self.hop is not None:
+                        resp = await self.hop.post(
+                            cfg.url + path, data=data, headers=headers, total_s=total
+                        )
+                    else:
+                        resp = await self.session.post(
+                            cfg.url + path,
+                            data=data,
+                            headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=total),
+                        )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # The caller's own budget running out says nothing about the
                 # instance (a 1 ns deadline must not open every breaker); a
@@ -229,7 +243,7 @@ class Dispatcher:
         self,
         inst: InstanceSlot,
         d: Decision,
-        resp: aiohttp.ClientResponse,
+        resp: EngineResponse,
         sent_at: float,
         text: str,
         timeout_s: float | None,
@@ -325,7 +339,7 @@ class _BodyError(Exception):
         self.why = why
 
 
-async def _read_body(resp: aiohttp.ClientResponse, limit: int, idle_s: float) -> bytes:
+async def _read_body(resp: EngineResponse, limit: int, idle_s: float) -> bytes:
     """The whole body, at most ``limit`` bytes, with at most ``idle_s`` between pieces."""
     parts: list[bytes] = []
     size = 0

@@ -79,9 +79,16 @@ class RouterFeedback:
         if s.shadow is not None:
             s.shadow.on_complete(d.request_id)
 
-    def first_token(self, s: InstanceSlot, d: Decision, observed: float) -> None:
-        """The first token of a request at ``s`` arrived ``observed`` seconds after sending."""
-        now = self.clock()
+    def first_token(
+        self, s: InstanceSlot, d: Decision, observed: float, now: float | None = None
+    ) -> None:
+        """The first token of a request at ``s`` arrived ``observed`` seconds after sending.
+
+        ``now`` is when it arrived on the router's clock (default: now), for a
+        report made after the chunk was passed on.
+        """
+        if now is None:
+            now = self.clock()
         s.breaker.on_answer()
         # The engine produced it the network and HTTP time before it came.
         s.state.on_tokens(d.request_id, 1, at=now - first_token_overhead(s, now))

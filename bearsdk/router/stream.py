@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import anyio
@@ -17,7 +17,28 @@ if TYPE_CHECKING:
     from bearsdk.router.dispatch import Dispatcher
     from bearsdk.router.slot import InstanceSlot
 
-__all__ = ["ChatResponse", "ChatStream", "exc_text"]
+__all__ = ["ChatResponse", "ChatStream", "EngineResponse", "exc_text"]
+
+
+class _Body(Protocol):
+    async def readany(self) -> bytes: ...
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+class EngineResponse(Protocol):
+    """What the router reads of an engine's response: aiohttp's, or the hop's
+    (:class:`bearsdk.io.hop.HopResponse`)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def content(self) -> _Body: ...
+
+    def close(self) -> None: ...
+
+    def release(self) -> Any: ...
 
 
 def exc_text(exc: BaseException) -> str:
@@ -64,7 +85,7 @@ class ChatStream:
         dispatch: Dispatcher,
         inst: InstanceSlot,
         decision: Decision,
-        resp: aiohttp.ClientResponse,
+        resp: EngineResponse,
         sent_at: float,
         caller_usage: bool,
         prompt_text: str = "",
@@ -81,6 +102,9 @@ class ChatStream:
         self._caller_usage = caller_usage
         self._caller_deadline = caller_deadline
         self.ttft_s: float | None = None
+        # When the first chunk arrived; reported to the router once the caller
+        # has it (its bookkeeping must not delay the first byte a proxy sends on).
+        self._first_at: float | None = None
         self.usage: dict[str, Any] | None = None
         self._tokens = 0
         self._done = False
@@ -120,7 +144,15 @@ class ChatStream:
         self._ready.clear()
         self._resp.close()
 
+    def _report_first(self) -> None:
+        """Tell the router of the first chunk, once (after the caller was handed it)."""
+        at = self._first_at
+        if at is not None and self.ttft_s is not None:
+            self._first_at = None
+            self._core.first_token(self._inst, self.decision, self.ttft_s, now=at)
+
     def _finish(self, outcome: str) -> None:
+        self._report_first()
         if not self._done:
             self._done = True
             self._core.completed(self._inst, self.decision, outcome, self.usage, self._prompt_text)
@@ -185,6 +217,8 @@ class ChatStream:
 
     async def _next_event(self) -> tuple[bytes, dict[str, Any]] | None:
         """The next event, or ``None`` at the end of the stream."""
+        if self._first_at is not None:
+            self._report_first()
         while not self._ready:
             if self._eof:
                 return None
@@ -220,6 +254,7 @@ class ChatStream:
 
     def _fail(self, why: str, *, fault: bool = True) -> None:
         """End the stream on the instance's failure: close it, complete, raise."""
+        self._report_first()
         self._eof = True
         self._ready.clear()
         self._resp.close()
@@ -292,8 +327,9 @@ class ChatStream:
 
     def _observe(self, doc: dict[str, Any]) -> None:
         if self.ttft_s is None:
-            self.ttft_s = self._core.clock() - self._sent_at
-            self._core.first_token(self._inst, self.decision, self.ttft_s)
+            at = self._core.clock()
+            self.ttft_s = at - self._sent_at
+            self._first_at = at
         usage = doc.get("usage")
         if usage and isinstance(usage, dict):
             self.usage = usage

@@ -1,11 +1,12 @@
 """``bearsdk bench gateway``: what ``bearsdk serve`` costs, and what it survives.
 
 Three kinds of process, as in production: the stub engines (one child process:
-two that answer a streamed chat completion at once, the router bench's
-``_stub_engine``, and two slow ones that send one chunk per ``max_tokens`` at a
-fixed interval), the gateway (``python -m bearsdk serve --config FILE``, a child
-process with its own interpreter, authenticating every request with an API
-key), and the load generator (this process). Scenarios:
+two that answer a streamed chat completion at once,
+``bearsdk.bench._stubs.stub_engine`` as the router bench's, and two slow ones
+that send one chunk per ``max_tokens`` at a fixed interval), the gateway
+(``python -m bearsdk serve --config FILE``, a child process with its own
+interpreter, authenticating every request with an API key), and the load
+generator (this process). Scenarios:
 
 1. **latency**: open-loop arrivals at ``--rate`` for ``--seconds``, rotating
    straight-to-the-engine, through a bare aiohttp proxy (the floor: the same
@@ -152,7 +153,7 @@ def _print(report: dict[str, Any], out: IO[str]) -> None:
             y = x[what]
             p(
                 f"  {label:11}: a bare aiohttp proxy hop adds p50 {y['proxy_added_p50_ms']} "
-                f"p99 {y['proxy_added_p99_ms']} ms (the floor of any aiohttp gateway here)"
+                f"p99 {y['proxy_added_p99_ms']} ms (aiohttp server and client, nothing else)"
             )
         for what, label in (("first", "first chunk"), ("last", "last chunk")):
             y = x[what]

@@ -77,17 +77,17 @@ async def _slow_engine(interval_s: float, *, task_status: anyio.abc.TaskStatus[s
             pass  # the gateway gave up on it (a drain cut it): nothing left to send
         return resp
 
-    from bearsdk.bench.router import serve_stub
+    from bearsdk.bench._stubs import serve_stub
 
     await serve_stub(chat, "slow", task_status, backlog=4096)
 
 
 async def _engines(interval_s: float) -> None:
     # Only the engines' child process needs the router bench's stubs (and what they import).
-    from bearsdk.bench.router import _stub_engine
+    from bearsdk.bench._stubs import stub_engine
 
     async with anyio.create_task_group() as tg:
-        fast = [await tg.start(_stub_engine) for _ in range(2)]
+        fast = [await tg.start(stub_engine) for _ in range(2)]
         slow = [await tg.start(_slow_engine, interval_s) for _ in range(2)]
         print(json.dumps({"fast": fast, "slow": slow}), flush=True)
         # The bench closes our stdin when it ends, however it ends: no orphan engines.
@@ -102,7 +102,7 @@ def _engines_main() -> None:
 
 
 async def _proxy(upstream: str, port: int) -> None:
-    """A bare aiohttp streaming proxy: the floor of any aiohttp gateway hop.
+    """A bare aiohttp streaming proxy (aiohttp server and client): a reference hop.
 
     Reads the body, posts it upstream on a kept-alive session and passes the
     response back piece by piece; no routing, checks or accounting.
