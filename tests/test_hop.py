@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -277,3 +281,49 @@ async def test_a_dropped_response_closes_its_connection() -> None:
         resp = await s.post(url, data=b"{}", headers={})
         del resp
         await asyncio.wait_for(closed.wait(), 5)
+
+
+@pytest.fixture
+def certificate(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-nodes", "-days", "1"),
+            *("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
+            *("-keyout", str(key), "-out", str(cert)),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_an_https_engine(certificate: tuple[pathlib.Path, pathlib.Path]) -> None:
+    cert, key = certificate
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecret")
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0, ssl=server_ctx)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        s = HopSession(ssl_context=ssl.create_default_context(cafile=str(cert)))
+        resp = await s.post(f"https://127.0.0.1:{port}/x", data=b"{}", headers={})
+        assert await body_of(resp) == b"secret"
+        # The system's trust store does not know this certificate.
+        with pytest.raises(ssl.SSLError):
+            await HopSession().post(f"https://127.0.0.1:{port}/x", data=b"{}", headers={})
+        await s.close()
+    finally:
+        srv.close()
+        await srv.wait_closed()

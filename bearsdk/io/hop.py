@@ -427,7 +427,9 @@ class HopSession:
         limit = _CONNECT_S if deadline is None else min(_CONNECT_S, deadline - loop.time())
         ctx: ssl.SSLContext | None = None
         if scheme == "https":
-            ctx = self._ssl or ssl.create_default_context()
+            if self._ssl is None:  # (loading the trust store takes milliseconds: once)
+                self._ssl = ssl.create_default_context()
+            ctx = self._ssl
         with anyio.move_on_after(max(limit, 0.0)) as scope:
             _, proto = await loop.create_connection(lambda: _Conn(self, key), host, port, ssl=ctx)
             return proto

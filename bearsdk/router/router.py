@@ -83,7 +83,8 @@ _UNSET: Any = object()
 
 def _hop() -> HopSession | None:
     """The lean client for the engine hop, when ``httptools`` is installed."""
-    if os.environ.get("BEARSDK_HOP", "") == "aiohttp":  # (for comparisons)
+    # BEARSDK_HOP=aiohttp keeps aiohttp's client: to compare, or to rule the hop out.
+    if os.environ.get("BEARSDK_HOP", "") == "aiohttp":
         return None
     try:
         from bearsdk.io.hop import HopSession
@@ -112,7 +113,8 @@ class AsyncRouter(Runs):
         session: An aiohttp session to reuse (default: the router's own). Without
             one, requests go to the engines by the router's lean HTTP/1.1 client
             when ``httptools`` is installed (:mod:`bearsdk.io.hop`, the
-            ``gateway`` extra): about 0.1 ms less per request than aiohttp's.
+            ``gateway`` extra): about 0.1 ms less per request than aiohttp's
+            (``BEARSDK_HOP=aiohttp`` in the environment keeps aiohttp's).
         hooks: Observability callbacks.
         calibrate: Follow each engine's ``/bear/batches`` stream and keep its
             batch-time coefficients calibrated online (engines without the
