@@ -172,7 +172,7 @@ async def test_the_total_budget_ends_a_stalled_body_with_a_timeout() -> None:
 
     s = HopSession()
     async with server(handler) as (url, _):
-        resp = await s.post(url, data=b"{}", headers={}, total_s=0.2)
+        resp = await s.post(url, data=b"{}", headers={}, total_s=1.0)
         assert await resp.content.readany() == b"abc"
         with pytest.raises(TimeoutError):
             await resp.content.readany()
@@ -327,3 +327,27 @@ async def test_an_https_engine(certificate: tuple[pathlib.Path, pathlib.Path]) -
     finally:
         srv.close()
         await srv.wait_closed()
+
+
+async def test_connections_idle_too_long_are_closed_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await w.drain()
+
+    monkeypatch.setattr(hop, "KEEP_IDLE_S", 0.05)
+    s = HopSession()
+    async with server(handler) as (url, peers):
+        first = await s.post(url, data=b"{}", headers={})
+        second = await s.post(url, data=b"{}", headers={})
+        assert await body_of(first) == b"ok"  # kept
+        await asyncio.sleep(0.1)
+        assert await body_of(second) == b"ok"  # kept; the first, stale, closed
+        assert len(s._idle[next(iter(s._idle))]) == 1
+        await asyncio.sleep(0.1)
+        assert await body_of(await s.post(url, data=b"{}", headers={})) == b"ok"
+        await s.close()
+    assert len(peers) == 3  # the stale second was not reused either

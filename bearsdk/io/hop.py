@@ -337,7 +337,7 @@ class HopSession:
     """
 
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
+        self._idle: dict[tuple[str, str, int], deque[_Conn]] = {}
         self._urls: dict[str, tuple[tuple[str, str, int], bytes]] = {}
         self._ssl = ssl_context
         self.closed = False
@@ -437,11 +437,15 @@ class HopSession:
         raise aiohttp.ServerTimeoutError(f"connecting to {host}:{port} timed out")
 
     def _keep(self, conn: _Conn) -> None:
-        idle = self._idle.setdefault(conn.key, [])
+        idle = self._idle.setdefault(conn.key, deque())
+        now = time.monotonic()
+        # The oldest first: kept too long, they are closed rather than left open.
+        while idle and now - idle[0].idle_since > KEEP_IDLE_S:
+            idle.popleft()._abort()
         if self.closed or len(idle) >= MAX_IDLE_PER_HOST:
             conn._abort()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now
         idle.append(conn)
 
     def _forget(self, conn: _Conn) -> None:
