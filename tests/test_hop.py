@@ -351,3 +351,19 @@ async def test_connections_idle_too_long_are_closed_not_reused(
         assert await body_of(await s.post(url, data=b"{}", headers={})) == b"ok"
         await s.close()
     assert len(peers) == 3  # the stale second was not reused either
+
+
+async def test_an_informational_response_is_skipped() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.1)  # apart: the client must wait past the interim one
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nbody")
+        await w.drain()
+
+    s = HopSession()
+    async with server(handler) as (url, _):
+        resp = await s.post(url, data=b"{}", headers={})
+        assert resp.status == 200
+        assert await body_of(resp) == b"body"

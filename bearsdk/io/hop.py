@@ -133,8 +133,12 @@ class _Conn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         resp = self._resp
         assert resp is not None
+        status = self._parser.get_status_code()
+        if status < 200:  # informational (100 Continue...): the answer comes after it
+            resp._interim = True
+            return
         resp._keep = self._parser.should_keep_alive()
-        resp._got_head(self._parser.get_status_code())
+        resp._got_head(status)
 
     def on_body(self, body: bytes) -> None:
         resp = self._resp
@@ -144,6 +148,9 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         resp = self._resp
         assert resp is not None
+        if resp._interim:
+            resp._interim = False
+            return
         resp._end()
 
     def _count(self, n: int) -> None:
@@ -194,6 +201,7 @@ class HopResponse:
         self._until_close = True
         self._released = False
         self._got_bytes = False
+        self._interim = False
         self._timer = (
             None
             if deadline is None
