@@ -60,6 +60,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.idle_since = 0.0
+        # One per connection: llhttp parses its responses one after another (a
+        # connection whose response was not read to its end is closed, not kept).
         self._parser = httptools.HttpResponseParser(self)
         # Weak: a response its reader dropped is collected, and closes us.
         self._resp_ref: weakref.ref[HopResponse] | None = None
@@ -164,7 +166,6 @@ class _Conn(asyncio.Protocol):
 
     def start(self, resp: HopResponse, request: bytes) -> None:
         self._resp_ref = weakref.ref(resp)
-        self._parser = httptools.HttpResponseParser(self)
         assert self.transport is not None
         self.transport.write(request)
 
@@ -211,10 +212,7 @@ class HopResponse:
     def __del__(self) -> None:
         # Dropped without close() or release(): its connection must not stay open.
         if not getattr(self, "_released", True):
-            self._released = True
-            if self._timer is not None:
-                self._timer.cancel()
-            self._conn.done(reuse=False)
+            self._finish(reuse=False)
 
     @property
     def content(self) -> HopResponse:
@@ -305,7 +303,7 @@ class HopResponse:
     def _expire(self, started: float) -> None:
         self._timer = None
         self._fail(TimeoutError(f"the request's total timeout ran out after {_elapsed(started)}"))
-        self._conn.done(reuse=False)
+        self._finish(reuse=False)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -380,26 +378,27 @@ class HopSession:
         loop = asyncio.get_running_loop()
         deadline = None if total_s is None else loop.time() + total_s
         conn = self._reuse(key)
-        # A kept connection the engine closed as it was reused gives nothing back:
-        # the engine never saw the request, so it goes once more on a new one.
-        for fresh in (conn is None, True):
-            if fresh:
+        reused = conn is not None
+        while True:
+            if conn is None:
                 conn = await self._connect(key, deadline)
-            assert conn is not None
             resp = HopResponse(conn, deadline)
             conn.start(resp, request)
             try:
                 await resp._wait_head()
             except aiohttp.ServerDisconnectedError:
                 resp.close()
-                if fresh or resp._got_bytes:
+                # A kept connection the engine closed as it was reused gives nothing
+                # back: the engine never saw the request, so it goes once more on a
+                # new one.
+                if not reused or resp._got_bytes:
                     raise
+                reused, conn = False, None
                 continue
             except BaseException:
                 resp.close()
                 raise
             return resp
-        raise AssertionError("unreachable")
 
     def _target(self, url: str) -> tuple[tuple[str, str, int], bytes]:
         got = self._urls.get(url)
