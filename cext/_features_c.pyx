@@ -20,7 +20,7 @@
 # along a path, so every walk ends, and every index is in range.
 
 from libc.math cimport isnan
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free
 from libc.string cimport memset
 
@@ -412,13 +412,19 @@ cdef class FeatureExtractor:
 # Tree ensembles
 # ---------------------------------------------------------------------------
 
+ctypedef struct CatRef:
+    int32_t offset  # the bitset in cat_words
+    int32_t nwords
+
+ctypedef union Split:
+    double threshold  # numerical splits
+    CatRef cat  # categorical splits
+
 ctypedef struct Node:
-    double threshold
-    int32_t feature
-    int32_t left  # child within the tree: < n_internal a node, else a leaf
-    int32_t right
-    int32_t cat_offset  # categorical splits: the bitset in cat_words
-    int32_t cat_nwords
+    Split split
+    int16_t feature
+    int16_t left  # child within the tree: < n_internal a node, else a leaf
+    int16_t right
     uint8_t decision  # LightGBM's decision_type bits
 
 ctypedef struct Tree:
@@ -440,7 +446,7 @@ cdef inline int32_t _decide(const Node* nd, double fval, const uint32_t* cat_wor
             return nd.right
         iv = <int>fval
         word = iv >> 5
-        if word < nd.cat_nwords and (cat_words[nd.cat_offset + word] >> (iv & 31)) & 1:
+        if word < nd.split.cat.nwords and (cat_words[nd.split.cat.offset + word] >> (iv & 31)) & 1:
             return nd.left
         return nd.right
     if missing != 0:
@@ -452,7 +458,7 @@ cdef inline int32_t _decide(const Node* nd, double fval, const uint32_t* cat_wor
             return nd.left if nd.decision & 2 else nd.right
     elif isnan(fval):
         fval = 0.0
-    return nd.left if fval <= nd.threshold else nd.right
+    return nd.left if fval <= nd.split.threshold else nd.right
 
 
 cdef class Forest:
@@ -503,6 +509,16 @@ cdef class Forest:
                 raise ValueError(f"{name} has {arr.shape[0]} entries, feature has {n}")
         if n_trees < 0 or ls.shape[0] != ns.shape[0]:
             raise ValueError("node_start and leaf_start must have n_trees + 1 entries")
+        # The nodes are 16 bytes: a tree's children and the feature columns in
+        # 16 bits (``_forest.MAX_TREE_SPLITS``, ``MAX_FEATURES``).
+        if n_features > 32767:
+            raise ValueError(f"n_features must be at most 32767, got {n_features}")
+        for t in range(n_trees):
+            if ns[t] < 0 or not 0 <= ns[t + 1] - ns[t] <= 16383 or ns[t + 1] > n:
+                raise ValueError(f"tree {t} must have 0 to 16383 splits within the nodes")
+        for i in range(n):
+            if not 0 <= f[i] < n_features:
+                raise ValueError(f"feature {f[i]} of node {i} is not in [0, {n_features})")
         total = <int32_t>n
         self._nodes = <Node*>mem_alloc(max(total, 1), sizeof(Node))
         self._trees = <Tree*>mem_alloc(max(n_trees, 1), sizeof(Tree))
@@ -514,15 +530,17 @@ cdef class Forest:
             self._trees[t].leaf_start = ls[t]
             for k in range(n_int):
                 src = ns[t] + k
-                self._nodes[start + k].threshold = th[src]
-                self._nodes[start + k].feature = f[src]
-                self._nodes[start + k].cat_offset = co[src]
-                self._nodes[start + k].cat_nwords = cn[src]
+                if dt[src] & 1:
+                    self._nodes[start + k].split.cat.offset = co[src]
+                    self._nodes[start + k].split.cat.nwords = cn[src]
+                else:
+                    self._nodes[start + k].split.threshold = th[src]
+                self._nodes[start + k].feature = <int16_t>f[src]
                 self._nodes[start + k].decision = dt[src]
                 child = lc[src]
-                self._nodes[start + k].left = child if child >= 0 else n_int + ~child
+                self._nodes[start + k].left = <int16_t>(child if child >= 0 else n_int + ~child)
                 child = rc[src]
-                self._nodes[start + k].right = child if child >= 0 else n_int + ~child
+                self._nodes[start + k].right = <int16_t>(child if child >= 0 else n_int + ~child)
             start += n_int
         bases = np.ascontiguousarray(base, dtype=np.float64)
         if bases.shape[0] == 0:

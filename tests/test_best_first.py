@@ -303,13 +303,13 @@ def test_overload_pricing_replays_to_the_second_look_at_once(
     from bearsdk.estimators.bea import BEAEstimator
 
     horizons: list[float] = []
-    real = BEAEstimator.ttft
+    real = BEAEstimator.ttft_from
 
-    def spy(self: BEAEstimator, *a: Any, **kw: Any) -> float:
-        horizons.append(float(kw["horizon_s"]))
-        return real(self, *a, **kw)
+    def spy(self: BEAEstimator, *a: Any) -> float:
+        horizons.append(float(a[5]))  # (the router's path: positional)
+        return real(self, *a)
 
-    monkeypatch.setattr(BEAEstimator, "ttft", spy)
+    monkeypatch.setattr(BEAEstimator, "ttft_from", spy)
     pred = _prediction([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
     core, feed = _router([2, 1, 1, 2, 2], [0, 0, 0, 4, 40], BEAR())
     first = _decide(core, feed, pred, ttft_target=0.005)

@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pytest
 
 from bearsdk.predictors import PredictorFormatError, _impl
-from bearsdk.predictors._forest import TreeEnsemble
+from bearsdk.predictors._forest import MAX_TREE_SPLITS, TreeEnsemble
 
 BACKENDS = _impl.implementations()
 
@@ -145,6 +145,49 @@ def test_validation_catches_malformed_trees() -> None:
             TreeEnsemble.from_arrays("regression", ens.n_features, arrays)
         assert info.value.field == field, info.value
     TreeEnsemble.from_arrays("regression", ens.n_features, good)
+
+
+def _chain(splits: int) -> dict[str, npt.NDArray[np.generic]]:
+    """One tree of ``splits`` splits in a chain: split k sends x <= k left, to leaf k."""
+    k = np.arange(splits, dtype=np.int32)
+    right = np.where(k < splits - 1, k + 1, ~np.int32(splits)).astype(np.int32)
+    return {
+        "feature": np.zeros(splits, np.int32),
+        "threshold": k.astype(np.float64),
+        "decision": np.zeros(splits, np.uint8),
+        "left": ~k,
+        "right": right,
+        "cat_offset": np.zeros(splits, np.int32),
+        "cat_nwords": np.zeros(splits, np.int32),
+        "cat_words": np.zeros(0, np.uint32),
+        "leaf_value": np.arange(splits + 1, dtype=np.float64) * 0.5,
+        "node_start": np.array([0, splits], np.int32),
+        "leaf_start": np.array([0, splits + 1], np.int32),
+        "base": np.zeros(0, np.float64),
+    }
+
+
+def test_trees_up_to_the_split_bound_walk_exactly(backend: _impl.Backend) -> None:
+    # The compiled walker keeps a tree's children in 16 bits: the largest tree
+    # allowed reaches its deepest leaves, and one split more is refused by name.
+    n = MAX_TREE_SPLITS
+    ens = TreeEnsemble.from_arrays("regression", 1, _chain(n))
+    forest = backend.forest(**ens.evaluator_args())
+    # Row x goes right past every split below it: leaf ceil(x), the last past n - 1.
+    x = np.array([[-1.0], [0.0], [0.5], [n / 2], [n - 1.0], [n - 0.5], [1e9]])
+    out = np.empty(x.shape[0])
+    forest.predict_into(x, out)
+    leaf = np.minimum(np.ceil(np.maximum(x[:, 0], 0.0)), n)
+    assert out.tolist() == (leaf * 0.5).tolist()
+    with pytest.raises(PredictorFormatError) as info:
+        TreeEnsemble.from_arrays("regression", 1, _chain(n + 1))
+    assert info.value.field == "node_start"
+    assert f"at most {n} splits" in str(info.value)
+    if "cython" in BACKENDS:
+        # The compiled walker refuses it too, when handed the arrays unchecked.
+        args = {**_chain(n + 1), "n_features": 1}
+        with pytest.raises(ValueError, match="0 to 16383 splits"):
+            BACKENDS["cython"].forest(**args)
 
 
 def test_per_model_base_is_added_after_the_trees(backend: _impl.Backend) -> None:

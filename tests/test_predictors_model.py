@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import orjson
 import pytest
@@ -135,6 +136,28 @@ def test_fused_path_equals_row_evaluation(pred: Predictor, data: TrainingSet) ->
         assert np.array_equal(lean.output_tokens, p.output_tokens)
         assert np.array_equal(lean.cost_usd, p.cost_usd)
         assert not lean.output_quantiles
+
+
+def test_router_lists_are_the_predictions_to_the_bit(pred: Predictor, data: TrainingSet) -> None:
+    def as_lists(p: Any) -> tuple[list[float], ...]:
+        return tuple(a.tolist() for a in (p.accuracy, p.output_tokens, p.prompt_tokens, p.cost_usd))
+
+    prompts = (*data.prompts[:5], "", "Ünïcödé?", "x" * 20_000)
+    for prompt in prompts:
+        assert pred.predict_lists(prompt) == as_lists(pred.predict(prompt, quantiles=False))
+    # Counted by a tokenizer and learned from usage (on a copy: the fixture is
+    # shared), and with prior-only models (predict's own path): the same numbers.
+    own = attrs.evolve(pred, tokens=pred.tokens.extended([]))
+    own.set_tokenizer(QWEN3_POOL[0].name, _WordTokenizer())
+    own.observe_usage(QWEN3_POOL[1].name, "one two three", 17)
+    for prompt in prompts:
+        assert own.predict_lists(prompt) == as_lists(own.predict(prompt, quantiles=False))
+    wide = pred.with_priors({"other/model": 0.5})
+    got = wide.predict_lists("Write a haiku.")
+    assert len(got[0]) == len(wide.models) == len(pred.models) + 1
+    assert got == as_lists(wide.predict("Write a haiku.", quantiles=False))
+    with pytest.raises(PredictorError, match=r"prompt must be a str \(got 'NoneType'\)"):
+        pred.predict_lists(None)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif("cython" not in _impl.implementations(), reason="built without extensions")

@@ -20,7 +20,7 @@ import attrs
 
 from bearsdk.snapshot import Snapshot
 
-__all__ = ["InstanceView", "Latency", "LatencyEstimator", "RequestInfo"]
+__all__ = ["InstanceView", "Latency", "LatencyEstimator", "LatencyFields", "RequestInfo"]
 
 
 def _positive_int(inst: object, att: attrs.Attribute[int], value: int) -> None:
@@ -138,6 +138,10 @@ class LatencyEstimator(Protocol):
     def estimate_ttft(self, request: RequestInfo, view: InstanceView) -> float:
         """Return the estimated time to first token, seconds (``inf``: would not be served)."""
         ...
+
+
+LatencyFields = tuple[float, str, float, bool, bool, float, float, float]
+"""A :class:`Latency`'s fields in order, as a tuple (the router's hot path)."""
 
 
 @attrs.frozen

@@ -454,6 +454,31 @@ class BEAEstimator:
             arrival_s: When it arrives, seconds after the snapshot (see
                 :meth:`estimate`); the answer counts from then.
         """
+        return self.ttft_from(
+            prepared,
+            prompt_tokens,
+            output_len,
+            max_tokens,
+            prefix_keys,
+            horizon_s,
+            arrival_s,
+            True,
+        )
+
+    def ttft_from(
+        self,
+        prepared: PreparedSnapshot,
+        prompt_tokens: int,
+        output_len: int,
+        max_tokens: int | None,
+        prefix_keys: Sequence[int] | None,
+        horizon_s: float,
+        arrival_s: float,
+        check_bound: bool,
+    ) -> float:
+        """:meth:`ttft`, positional, for a caller that may have found
+        :meth:`bound` within ``horizon_s + arrival_s`` already (``check_bound``
+        false: it is not computed again)."""
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
         arrival = _arrival(arrival_s)
@@ -462,7 +487,7 @@ class BEAEstimator:
         start = max(arrival - inflight, 0.0)  # its arrival in the replay's time
         coeffs = self._coeffs
         if horizon_s != math.inf:
-            if prefix_keys is None and prepared.ahead[0] > 0.0:
+            if check_bound and prefix_keys is None and prepared.ahead[0] > 0.0:
                 # Known late from the queue ahead alone: no replay at all. (With
                 # nothing queued ahead, a replay meets the horizon about as soon.)
                 lb = self.bound(prepared, prompt_tokens)
@@ -483,9 +508,9 @@ class BEAEstimator:
             max(1, output_len),
             coeffs,
             -1 if max_tokens is None else max_tokens,
-            prefix_keys=prefix_keys,
-            horizon_s=h,
-            arrival_s=start,
+            prefix_keys,
+            h,
+            start,
         )
         if h < t < math.inf and not rep.last_new_examined:
             stops = prepared.horizon_stops

@@ -27,12 +27,20 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import attrs
 
 from bearsdk.errors import BearError
-from bearsdk.estimators.base import InstanceView, Latency, LatencyEstimator, RequestInfo
+from bearsdk.estimators.base import (
+    InstanceView,
+    Latency,
+    LatencyEstimator,
+    LatencyFields,
+    RequestInfo,
+)
 
 if TYPE_CHECKING:
     from bearsdk.estimators.batch_time import BatchTimeModel
     from bearsdk.schedulers.spec import BoundScheduler
     from bearsdk.state import InstanceState
+
+NAN = math.nan
 
 __all__ = [
     "EstimatorContext",
@@ -186,16 +194,14 @@ class _ViewEstimator:
 class _BEA:
     """BEA (eq. 9-12) on the instance's snapshot state; LPS once it is too old."""
 
-    __slots__ = ("_after", "_cache", "_state", "_view")
+    __slots__ = ("_state", "_view")
     horizon_aware = True
     tpot_aware = True
     prefix_aware = True
 
     def __init__(self, ctx: EstimatorContext) -> None:
         self._state = ctx.state
-        self._cache = ctx.state.cache
         self._view = ctx.view
-        self._after = ctx.state.rules.fallback_after_s
 
     def estimate(
         self,
@@ -208,23 +214,48 @@ class _BEA:
         residents: bool = False,
         prefix_keys: Sequence[int] | None = None,
     ) -> Latency:
-        # The router's statistics only matter to the fallback estimator:
-        # summarise them only when the snapshot cannot be replayed.
-        view = self._view(now) if self._cache.age(now) > self._after else None
+        return Latency(
+            *self.fields(
+                prompt_tokens,
+                output_tokens,
+                max_tokens,
+                now,
+                horizon_s,
+                next_tokens,
+                residents,
+                prefix_keys,
+            )
+        )
+
+    def fields(
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        max_tokens: int | None,
+        now: float,
+        horizon_s: float = math.inf,
+        next_tokens: int = 0,
+        residents: bool = False,
+        prefix_keys: Sequence[int] | None = None,
+    ) -> LatencyFields:
+        """:meth:`estimate` as :class:`Latency`'s fields in order: the router's
+        hot path, which has no use for the object."""
+        # (The router's statistics only matter to the fallback estimator: the
+        # state summarises them only when the snapshot cannot be replayed.)
         t, mode, age, _, bound, tpot, itl, itl_base = self._state.estimate_fields(
             prompt_tokens,
             output_tokens,
             max_tokens,
             now,
-            view,
+            self._view,
             horizon_s,
             next_tokens,
             residents,
             prefix_keys,
         )
         if mode == "fallback":
-            return Latency(t, "lps", age)
-        return Latency(t, mode, age, True, bound, tpot, itl, itl_base)
+            return (t, "lps", age, False, False, NAN, NAN, NAN)
+        return (t, mode, age, True, bound, tpot, itl, itl_base)
 
 
 class _NoLatency:

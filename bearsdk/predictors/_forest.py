@@ -18,10 +18,21 @@ import numpy.typing as npt
 
 from bearsdk.predictors.errors import PredictorFormatError
 
-__all__ = ["ARRAY_FIELDS", "SUPPORTED_OBJECTIVES", "TreeEnsemble"]
+__all__ = [
+    "ARRAY_FIELDS",
+    "MAX_FEATURES",
+    "MAX_TREE_SPLITS",
+    "SUPPORTED_OBJECTIVES",
+    "TreeEnsemble",
+]
 
 SUPPORTED_OBJECTIVES: Final = ("regression", "huber", "quantile")
 """Objectives whose prediction is the raw score (no output transform)."""
+MAX_TREE_SPLITS: Final = 16_383
+"""Splits per tree: the compiled walker numbers a tree's splits and leaves in
+16 bits, which halves its nodes (LightGBM's default tree has 30 splits)."""
+MAX_FEATURES: Final = 32_767
+"""Feature columns an ensemble may read (16 bits in the compiled walker)."""
 
 ARRAY_FIELDS: Final = (
     "feature",
@@ -171,8 +182,10 @@ class TreeEnsemble:
             raise PredictorFormatError(
                 "objective", f"must be one of {SUPPORTED_OBJECTIVES}", self.objective
             )
-        if self.n_features < 1:
-            raise PredictorFormatError("n_features", "must be positive", self.n_features)
+        if not 1 <= self.n_features <= MAX_FEATURES:
+            raise PredictorFormatError(
+                "n_features", f"must be in [1, {MAX_FEATURES}]", self.n_features
+            )
         n = self.feature.shape[0]
         for name in ("threshold", "decision", "left", "right", "cat_offset", "cat_nwords"):
             if getattr(self, name).shape[0] != n:
@@ -189,6 +202,10 @@ class TreeEnsemble:
         if (n_nodes < 0).any() or (n_leaves != n_nodes + 1).any():
             raise PredictorFormatError(
                 "leaf_start", "each tree must have one more leaf than splits"
+            )
+        if n and int(n_nodes.max()) > MAX_TREE_SPLITS:
+            raise PredictorFormatError(
+                "node_start", f"a tree has at most {MAX_TREE_SPLITS} splits", int(n_nodes.max())
             )
         if n and ((self.feature < 0) | (self.feature >= self.n_features)).any():
             raise PredictorFormatError("feature", f"must be in [0, {self.n_features})")

@@ -226,6 +226,8 @@ class Predictor:
     _names: tuple[str, ...] = attrs.field(init=False, repr=False)
     _in_price: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
     _out_price: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
+    _in_prices: list[float] = attrs.field(init=False, repr=False)
+    _out_prices: list[float] = attrs.field(init=False, repr=False)
     _qheads: tuple[tuple[float, str], ...] = attrs.field(init=False, repr=False)
     _qlevels: tuple[float, ...] = attrs.field(init=False, repr=False)
     _heads: tuple[_impl.Forest, ...] = attrs.field(init=False, repr=False)
@@ -279,6 +281,8 @@ class Predictor:
         out_price = np.concatenate([out_price, np.full(n_prior, out_price.mean())])
         self._in_price = in_price * _PER_MILLION
         self._out_price = out_price * _PER_MILLION
+        self._in_prices = self._in_price.tolist()
+        self._out_prices = self._out_price.tolist()
         self._prior_acc = np.array(
             [np.nan if a is None else float(a) for _, a in self.priors], dtype=np.float64
         )
@@ -391,6 +395,43 @@ class Predictor:
         ptok = self._prompt_tokens(prompt, prompt_tokens)
         cost = ptok * self._in_price + out[1] * self._out_price
         return PoolPrediction(self._names, out[0], out[1], ptok, cost, qs)
+
+    def predict_lists(
+        self, prompt: str
+    ) -> tuple[list[float], list[float], list[float], list[float]]:
+        """:meth:`predict` without quantiles, as plain lists in pool order: accuracy,
+        output tokens, prompt tokens and cost in USD.
+
+        The router's hot path: it reads each model's values one at a time, which
+        plain floats serve faster than arrays, and needs no prediction object.
+        The values are :meth:`predict`'s to the bit.
+
+        Raises:
+            PredictorError: ``prompt`` is not a str.
+        """
+        if self.relative is not None or self.priors:
+            got = self.predict(prompt, quantiles=False)
+            return (
+                got.accuracy.tolist(),
+                got.output_tokens.tolist(),
+                got.prompt_tokens.tolist(),
+                got.cost_usd.tolist(),
+            )
+        if not isinstance(prompt, str):
+            raise PredictorError("prompt", "must be a str", type(prompt).__name__)
+        x = self._template.copy()
+        out = np.empty((2, x.shape[0]))
+        _impl.predict_pool(
+            self.pipeline.extractor, prompt, x, self._heads[:2], self._lo, self._hi, out
+        )
+        acc, outs = out.tolist()
+        ptok = self.tokens.counts(prompt).tolist()
+        # (Element by element as numpy computes it in predict: the same floats.)
+        cost = [
+            p * ip + o * op
+            for p, ip, o, op in zip(ptok, self._in_prices, outs, self._out_prices, strict=True)
+        ]
+        return acc, outs, ptok, cost
 
     def _with_prior_columns(self, out: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         full = np.empty((out.shape[0], len(self._names)))

@@ -74,6 +74,7 @@ from bearsdk.router.pricing import (
     Ask,
     PruningMemo,
     Row,
+    columns,
     price,
     price_best_first,
     reprice_lowest,
@@ -456,20 +457,27 @@ class RouterCore(RouterFeedback):
             )
         now = self.clock()
         text = prompt_text(prompt)
-        pred = self.predictor.predict(text, quantiles=False)
-        slots = [
-            s
-            for s in self._slots.values()
-            if not s.draining
-            and s.name not in exclude
-            and (instances is None or s.name in instances)
-            and s.breaker.routable(now)
-        ]
+        fast = getattr(self.predictor, "predict_lists", None)
+        cols = (
+            columns(self.predictor.predict(text, quantiles=False)) if fast is None else fast(text)
+        )
+        if exclude or instances is not None:
+            slots = [
+                s
+                for s in self._slots.values()
+                if not s.draining
+                and s.name not in exclude
+                and (instances is None or s.name in instances)
+                and s.breaker.routable(now)
+            ]
+        else:
+            slots = [s for s in self._slots.values() if not s.draining and s.breaker.routable(now)]
         if not slots:
             raise NoInstanceError(
                 "no instance can take the request (all drained, removed or failing)"
             )
-        prompt_tokens = int(pred.prompt_tokens[slots[0].model_index])
+        outs, ptoks = cols[1], cols[2]
+        prompt_tokens = int(ptoks[slots[0].model_index])
         target = self.targets.target_for(prompt_tokens) if ttft_target is None else ttft_target
         sel_ = self.selector
         horizon = self._horizon(target)
@@ -489,9 +497,7 @@ class RouterCore(RouterFeedback):
             else None
         )
         priced: dict[str, list[int]] = {}
-        ask = Ask.of(
-            pred, max_tokens, now, next_tokens=follow, ids=ids, approx=(text, approx), priced=priced
-        )
+        ask = Ask(cols, max_tokens, now, follow, ids, (text, approx), priced)
 
         def select(options: list[Option]) -> Selection:
             if want is None:
@@ -572,8 +578,8 @@ class RouterCore(RouterFeedback):
             index,
             target,
             reason,
-            int(pred.prompt_tokens[j]),
-            int(pred.output_tokens[j]),
+            int(ptoks[j]),
+            int(outs[j]),
             now,
             time.perf_counter() - t0,
             index != sel.index,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
+from bearsdk.estimators.base import LatencyFields
 from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
@@ -31,6 +32,7 @@ __all__ = [
     "Ask",
     "PruningMemo",
     "Row",
+    "columns",
     "price",
     "price_best_first",
     "reprice_lowest",
@@ -122,13 +124,46 @@ class Ask:
         priced: dict[str, list[int]] | None = None,
     ) -> Ask:
         """The request with the predictions ``pred``."""
-        cols = (
-            pred.accuracy.tolist(),
-            pred.output_tokens.tolist(),
-            pred.prompt_tokens.tolist(),
-            pred.cost_usd.tolist(),
-        )
-        return cls(cols, max_tokens, now, next_tokens, ids, approx, priced)
+        return cls(columns(pred), max_tokens, now, next_tokens, ids, approx, priced)
+
+
+def columns(pred: PoolPrediction) -> _Columns:
+    """:attr:`Ask.cols` of the predictions ``pred``."""
+    return (
+        pred.accuracy.tolist(),
+        pred.output_tokens.tolist(),
+        pred.prompt_tokens.tolist(),
+        pred.cost_usd.tolist(),
+    )
+
+
+class _PerModel(dict[int, tuple[float, int, int, float, float, "PromptIds | None"]]):
+    """What depends on the model alone, once per model and decision (a pool has
+    few models and may have hundreds of instances): accuracy, output and
+    prompt tokens, cost, utility and the prompt's ids, by model index."""
+
+    __slots__ = ("_ask", "_by_model", "_lam", "_shared")
+
+    def __init__(self, core: RouterCore, ask: Ask) -> None:
+        super().__init__()
+        self._ask = ask
+        self._lam = core.selector.lam
+        self._shared, self._by_model = _split_ids(ask.ids)
+
+    def add(self, s: InstanceSlot) -> tuple[float, int, int, float, float, PromptIds | None]:
+        """The terms of ``s``'s model, computed and kept."""
+        j = s.model_index
+        ask = self._ask
+        accs, outs, ptoks, costs = ask.cols
+        out = int(outs[j])
+        if ask.max_tokens is not None:
+            out = min(out, ask.max_tokens)
+        p = self._shared if self._by_model is None else self._by_model.get(s.config.model)
+        # The engines' own count when the prompt's ids are known.
+        ptok = len(p) if p else max(1, int(ptoks[j]))
+        acc, cost = accs[j], costs[j] * MICRO
+        m = self[j] = (acc, out, ptok, cost, acc - self._lam * cost, p)
+        return m
 
 
 def price(
@@ -150,101 +185,74 @@ def _price(
     slots: list[InstanceSlot],
     ask: Ask,
     horizon: float,
-    estimate: bool = True,
+    per_model: _PerModel | None = None,
 ) -> list[Row]:
     max_tokens, now, next_tokens = ask.max_tokens, ask.now, ask.next_tokens
-    ids, approx, priced = ask.ids, ask.approx, ask.priced
-    lam = core.selector.lam
+    approx, priced = ask.approx, ask.priced
     kind = core.selector.latency
     weigh = getattr(core.selector, "weighs_residents", None) if next_tokens else None
-    shared, by_model = _split_ids(ids)
     out_rows: list[Row] = []
-    accs, outs, ptoks, costs = ask.cols
-    # What depends on the model alone, once per model (a pool has few models
-    # and may have hundreds of instances).
-    per_model: dict[int, tuple[float, int, int, float, PromptIds | None]] = {}
+    if per_model is None:
+        per_model = _PerModel(core, ask)
     for s in slots:
-        j = s.model_index
-        m = per_model.get(j)
+        m = per_model.get(s.model_index)
         if m is None:
-            out = int(outs[j])
-            if max_tokens is not None:
-                out = min(out, max_tokens)
-            p = shared if by_model is None else by_model.get(s.config.model)
-            # The engines' own count when the prompt's ids are known.
-            ptok = len(p) if p else max(1, int(ptoks[j]))
-            m = per_model[j] = (accs[j], out, ptok, costs[j] * MICRO, p)
-        acc, out, ptok, cost, p = m
+            m = per_model.add(s)
+        acc, out, ptok, cost, utility, p = m
         keys: list[int]
         if p is None and s.dispatches is None:
             keys, cached, source, eptok = [], -1, "", ptok
         else:
             keys, cached, source, eptok = _cached(s, p, ptok, approx)
-        if not estimate:
-            u = acc - lam * cost
-            option = Option(s.name, s.config.model, acc, cost, u, math.inf, s.inflight, s.inflight)
-            speed = 1.0 if s.speed is None else s.speed.factor
-            entry = s.cache.entry
-            age = math.inf if entry is None else entry.age(now)
-            row = (option, UNPRICED, age, ptok, out, speed, 0.0, False, cached, source, 0.0, 1.0)
-            out_rows.append(row)
-            continue
         est = s.estimators.get(kind)
         if est is None:
             est = core.estimator_for(s, kind)
         # (Only a selector that weighs residents needs them: min() is O(requests there).)
         tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
-        extra: dict[str, Any] = {}
+        prefix_keys: list[int] | None = None
         if p is not None and getattr(est, "prefix_aware", False):
             # With the instance's KV events: its snapshot names blocks by vLLM's
             # hashes, which the index maps the prompt's content keys to.
-            extra["prefix_keys"] = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
+            prefix_keys = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
             if priced is not None:
-                priced[s.name] = extra["prefix_keys"]
-        if next_tokens and getattr(est, "tpot_aware", False):
+                priced[s.name] = prefix_keys
+        residents = weigh is not None and bool(weigh(tight))
+        fields = getattr(est, "fields", None)
+        if fields is not None:
+            # BEA's own form: every option positional, the fields as a tuple.
             ov = first_token_overhead(s, now)
             left = max(horizon - ov, MIN_HORIZON_S) if horizon != math.inf else math.inf
-            lat = est.estimate(  # type: ignore[call-arg]
+            f: LatencyFields = fields(
                 eptok,
                 out,
                 max_tokens,
                 now,
                 left,
-                next_tokens=next_tokens,
-                residents=weigh is not None and bool(weigh(tight)),
-                **extra,
+                next_tokens,
+                residents,
+                prefix_keys,
             )
-            overhead = ov if lat.replayed else 0.0
-        elif horizon != math.inf and getattr(est, "horizon_aware", False):
-            ov = first_token_overhead(s, now)
-            # A target already eaten by the overhead (a tiny one, or a held request's
-            # near its deadline) still gets an estimate: the first batch, a lower bound.
-            left = max(horizon - ov, MIN_HORIZON_S)
-            if extra:
-                lat = est.estimate(eptok, out, max_tokens, now, left, **extra)  # type: ignore[call-arg]
-            else:
-                lat = est.estimate(eptok, out, max_tokens, now, left)  # type: ignore[call-arg]
-            overhead = ov if lat.replayed else 0.0
         else:
-            lat = est.estimate(eptok, out, max_tokens, now, **extra)
-            overhead = first_token_overhead(s, now) if lat.replayed else 0.0
-        tpot = lat.tpot_s
-        itl, itl_base = lat.resident_itl_s, lat.resident_itl_base_s
+            ov, f = _estimate(
+                s, est, (eptok, out, max_tokens, now), horizon, next_tokens, residents, prefix_keys
+            )
+        ttft, estimator, age, replayed, bound, tpot, itl, itl_base = f
+        overhead = ov if replayed else 0.0
         if next_tokens and (math.isfinite(tpot) or math.isfinite(itl)):
             stretch = tpot_with_arrivals(1.0, s, now)
             tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
         arrivals = 0.0
-        if core.expect_arrivals and math.isfinite(lat.ttft_s):
-            arrivals = ttft_arrivals(lat.ttft_s, s, now)
+        if core.expect_arrivals and math.isfinite(ttft):
+            arrivals = ttft_arrivals(ttft, s, now)
         # (The spread is learned on replayed estimates; the others have their own errors.)
-        margin = s.margin.value(now) if s.margin is not None and lat.replayed else 1.0
+        margin = s.margin.value(now) if s.margin is not None and replayed else 1.0
         option = Option(
             s.name,
             s.config.model,
             acc,
             cost,
-            acc - lam * cost,
-            (lat.ttft_s + arrivals + overhead) * margin,
+            utility,
+            (ttft + arrivals + overhead) * margin,
             s.inflight,
             s.inflight,
             math.nan,  # throughput_rps
@@ -257,13 +265,13 @@ def _price(
         out_rows.append(
             (
                 option,
-                lat.estimator,
-                lat.age_s,
+                estimator,
+                age,
                 ptok,
                 out,
                 speed,
                 overhead,
-                lat.lower_bound,
+                bound,
                 cached,
                 source,
                 arrivals,
@@ -271,6 +279,42 @@ def _price(
             )
         )
     return out_rows
+
+
+def _estimate(
+    s: InstanceSlot,
+    est: Any,
+    request: tuple[int, int, int | None, float],
+    horizon: float,
+    next_tokens: int,
+    residents: bool,
+    prefix_keys: list[int] | None,
+) -> tuple[float, LatencyFields]:
+    """Any registered estimator's estimate of ``request`` (prompt and output
+    tokens, output cap, time), as ``(overhead, fields)``: each estimator is
+    asked only for what it says it understands."""
+    extra: dict[str, Any] = {} if prefix_keys is None else {"prefix_keys": prefix_keys}
+    now = request[3]
+    ov = first_token_overhead(s, now)
+    if next_tokens and getattr(est, "tpot_aware", False):
+        left = max(horizon - ov, MIN_HORIZON_S) if horizon != math.inf else math.inf
+        lat = est.estimate(*request, left, next_tokens=next_tokens, residents=residents, **extra)
+    elif horizon != math.inf and getattr(est, "horizon_aware", False):
+        # A target already eaten by the overhead (a tiny one, or a held request's
+        # near its deadline) still gets an estimate: the first batch, a lower bound.
+        lat = est.estimate(*request, max(horizon - ov, MIN_HORIZON_S), **extra)
+    else:
+        lat = est.estimate(*request, **extra)
+    return ov, (
+        lat.ttft_s,
+        lat.estimator,
+        lat.age_s,
+        lat.replayed,
+        lat.lower_bound,
+        lat.tpot_s,
+        lat.resident_itl_s,
+        lat.resident_itl_base_s,
+    )
 
 
 def _split_ids(
@@ -303,14 +347,47 @@ def _cached(
     return keys, cached, source, eptok
 
 
-def unpriced(core: RouterCore, slots: list[InstanceSlot], ask: Ask) -> list[Row]:
+def unpriced(
+    core: RouterCore, slots: list[InstanceSlot], ask: Ask, per_model: _PerModel | None = None
+) -> list[Row]:
     """Rows for ``slots`` without a latency estimate (``ttft_s = inf``: never on time).
 
     What costs little is filled in as :func:`price` fills it: the utility, the
     token counts, the snapshot's age, the speed factor and the prompt's tokens
     each instance holds (an index lookup, no replay).
     """
-    return _price(core, slots, ask, math.inf, False)
+    now, approx = ask.now, ask.approx
+    rows: list[Row] = []
+    if per_model is None:
+        per_model = _PerModel(core, ask)
+    for s in slots:
+        m = per_model.get(s.model_index)
+        if m is None:
+            m = per_model.add(s)
+        acc, out, ptok, cost, utility, p = m
+        if p is None and s.dispatches is None:
+            cached, source = -1, ""
+        else:
+            _, cached, source, _ = _cached(s, p, ptok, approx)
+        entry = s.cache.entry
+        n = s.inflight
+        rows.append(
+            (
+                Option(s.name, s.config.model, acc, cost, utility, math.inf, n, n),
+                UNPRICED,
+                math.inf if entry is None else entry.age(now),
+                ptok,
+                out,
+                1.0 if s.speed is None else s.speed.factor,
+                0.0,
+                False,
+                cached,
+                source,
+                0.0,
+                1.0,
+            )
+        )
+    return rows
 
 
 def price_best_first(
@@ -346,30 +423,27 @@ def price_best_first(
     Returns:
         The rows in ``slots``' order, and the selector's answer over all of them.
     """
-    lam = core.selector.lam
-    accs, _, _, costs = ask.cols
-    # The utility exactly as _price() computes it; models of equal utility
-    # share a level, so that their ties break on TTFT as without pruning.
+    # Models of equal utility share a level, so that their ties break on TTFT
+    # as without pruning.
+    per_model = _PerModel(core, ask)
     by_level: dict[float, list[int]] = {}
-    utility: dict[int, float] = {}
     for i, s in enumerate(slots):
-        j = s.model_index
-        u = utility.get(j)
-        if u is None:
-            u = utility[j] = accs[j] - lam * (costs[j] * MICRO)
-        idx = by_level.get(u)
+        m = per_model.get(s.model_index)
+        if m is None:
+            m = per_model.add(s)
+        idx = by_level.get(m[4])
         if idx is None:
-            by_level[u] = [i]
+            by_level[m[4]] = [i]
         else:
             idx.append(i)
     if any(u != u for u in by_level):  # (nan)
-        rows = _price(core, slots, ask, horizon)
+        rows = _price(core, slots, ask, horizon, per_model)
         return rows, select([r[0] for r in rows])
     levels = sorted(by_level, reverse=True)
     got: list[Row | None] = [None] * len(slots)
     for k, level in enumerate(levels):
         idx = by_level[level]
-        level_rows = _price(core, [slots[i] for i in idx], ask, horizon)
+        level_rows = _price(core, [slots[i] for i in idx], ask, horizon, per_model)
         for i, row in zip(idx, level_rows, strict=True):
             got[i] = row
         # (On time needs the TTFT target met: a level without one needs no select.)
@@ -377,7 +451,7 @@ def price_best_first(
             sel = select([r[0] for r in level_rows])
             if sel.feasible is not None and any(sel.feasible):
                 rest = [i for i, r in enumerate(got) if r is None]
-                left = unpriced(core, [slots[i] for i in rest], ask)
+                left = unpriced(core, [slots[i] for i in rest], ask, per_model)
                 for i, row in zip(rest, left, strict=True):
                     got[i] = row
                 break

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -380,14 +380,16 @@ class InstanceState:
         output_len: int | None,
         max_tokens: int | None,
         now: float | None,
-        view: InstanceView | None,
+        view: InstanceView | Callable[[float], InstanceView] | None,
         horizon_s: float,
         next_tokens: int,
         residents: bool,
         prefix_keys: Sequence[int] | None,
     ) -> EstimateFields:
         """:meth:`ttft`, positional, as :class:`Estimate`'s fields in order: the
-        router's hot path, which has no use for the object."""
+        router's hot path, which has no use for the object. ``view`` may be
+        a function of ``now`` giving it: it is only asked for when the
+        fallback estimates."""
         now = self.cache.clock() if now is None else now
         entry = self.cache.entry
         age = math.inf if entry is None else entry.age(now)
@@ -398,11 +400,15 @@ class InstanceState:
         ):
             if self.fallback is None:
                 return self._set((math.inf, "none", age, 0, False, NAN, NAN, NAN), now)
-            v = view if view is not None else InstanceView(name=self.name, now=now)
+            if view is None:
+                v = InstanceView(name=self.name, now=now)
+            else:
+                v = view if isinstance(view, InstanceView) else view(now)
             req = RequestInfo(prompt_tokens, output_len, max_tokens)
             t = self.fallback.estimate_ttft(req, v)
             return self._set((t, "fallback", age, 0, False, NAN, NAN, NAN), now)
         est = self.estimator
+        checked = None
         if horizon_s != math.inf:
             base = entry.prepared
             if base is not None and base.ahead[0] > 0.0 and base.snapshot.prefix_cache is None:
@@ -410,6 +416,7 @@ class InstanceState:
                 lb = est.bound(base, prompt_tokens) - min(age, 1e9)
                 if lb > horizon_s:
                     return self._set((lb, "bound", age, 0, True, NAN, NAN, NAN), now)
+                checked = base
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
         if next_tokens > 0:
             e = est.estimate(
@@ -447,14 +454,17 @@ class InstanceState:
                 prefix_keys=prefix_keys,
             ).ttft_s
         else:
-            t = est.ttft(
+            # The same view, arriving as old as the bound above assumed: the
+            # replay's own check of that bound would fail again.
+            t = est.ttft_from(
                 prep,
                 prompt_tokens,
                 output_len,
                 max_tokens,
-                prefix_keys=prefix_keys,
-                horizon_s=horizon_s,
-                arrival_s=elapsed,
+                prefix_keys,
+                horizon_s,
+                elapsed,
+                prep is not checked or elapsed != age,
             )
         return self._set((t, mode, age, pending, t > horizon_s, NAN, NAN, NAN), now)
 
