@@ -178,6 +178,47 @@ async def test_the_total_budget_ends_a_stalled_body_with_a_timeout() -> None:
             await resp.content.readany()
 
 
+async def test_a_head_later_than_its_bound_is_a_timeout_and_the_connection_closes() -> None:
+    gone = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await r.read()  # no answer; the client's close ends the wait
+        gone.set()
+
+    s = HopSession()
+    async with server(handler) as (url, _):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError, match="head did not come"):
+            await s.post(url, data=b"{}", headers={}, total_s=30.0, head_s=0.2)
+        assert 0.15 <= loop.time() - t0 < 2.0
+        await asyncio.wait_for(gone.wait(), 5)
+        assert not any(s._idle.values())  # nothing kept
+
+
+async def test_an_idle_read_gives_none_and_the_stream_goes_on() -> None:
+    more = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await w.drain()
+        await more.wait()
+        w.write(b"2\r\nde\r\n0\r\n\r\n")
+        await w.drain()
+
+    s = HopSession()
+    async with server(handler) as (url, _):
+        resp = await s.post(url, data=b"{}", headers={}, total_s=10.0, head_s=1.0)
+        assert await resp.content.readany_within(5.0) == b"abc"
+        assert await resp.content.readany_within(0.1) is None  # stalled: nothing lost
+        more.set()
+        assert await resp.content.readany_within(5.0) == b"de"
+        assert await resp.content.readany_within(0.1) == b""  # the end, at once
+        resp.release()
+
+
 async def test_an_unread_body_stops_the_connection_reading_at_the_buffer_bound() -> None:
     piece = b"x" * 65536
     sent = 0

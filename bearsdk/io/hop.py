@@ -195,7 +195,7 @@ class HopResponse:
         self._pieces: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool | None] | None = None
         self._exc: BaseException | None = None
         self._complete = False
         self._keep = False
@@ -219,11 +219,36 @@ class HopResponse:
         """The body reader (this object: ``readany()``, ``read(n)``), as aiohttp names it."""
         return self
 
-    async def _wait_head(self) -> None:
+    async def _wait_head(self, by: float | None) -> None:
         if self._head is None and self._exc is None:
-            await self._head_wait
+            timer = (
+                None
+                if by is None
+                else asyncio.get_running_loop().call_at(by, _head_late, weakref.ref(self))
+            )
+            try:
+                await self._head_wait
+            finally:
+                if timer is not None:
+                    timer.cancel()
         if self._exc is not None:
             raise self._exc
+
+    async def readany_within(self, idle_s: float) -> bytes | None:
+        """:meth:`readany`, or ``None`` when nothing came for ``idle_s`` seconds
+        (the response stays open: the caller decides)."""
+        if not self._pieces and not self._complete and self._exc is None:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(idle_s, _idle, waiter)
+            try:
+                idle = await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if idle and not self._pieces and not self._complete and self._exc is None:
+                return None
+        return await self.readany()
 
     async def readany(self) -> bytes:
         """The body bytes that came since the last read (``b""``: the body ended)."""
@@ -331,6 +356,17 @@ def _expire(ref: weakref.ref[HopResponse], started: float) -> None:
         resp._expire(started)
 
 
+def _head_late(ref: weakref.ref[HopResponse]) -> None:
+    resp = ref()
+    if resp is not None and resp._head is None:
+        resp._fail(TimeoutError("the response's head did not come in time"))
+
+
+def _idle(waiter: asyncio.Future[bool | None]) -> None:
+    if not waiter.done():
+        waiter.set_result(True)
+
+
 def _elapsed(started: float) -> str:
     return f"{asyncio.get_running_loop().time() - started:.3f} s"
 
@@ -355,6 +391,7 @@ class HopSession:
         data: bytes,
         headers: Mapping[str, str],
         total_s: float | None = None,
+        head_s: float | None = None,
     ) -> HopResponse:
         """Send ``data`` to ``url``; return once the response's head came.
 
@@ -362,7 +399,8 @@ class HopSession:
             aiohttp.ClientError: The connection broke or the response is malformed.
             OSError: Connecting failed.
             TimeoutError: ``total_s`` (the whole request's budget, body
-                included: later reads raise it too) ran out first.
+                included: later reads raise it too) ran out first, or the head
+                took longer than ``head_s`` from the request's start.
         """
         if self.closed:
             raise aiohttp.ClientConnectionError("the session is closed")
@@ -376,16 +414,21 @@ class HopSession:
         lines.append(data)
         request = b"".join(lines)
         loop = asyncio.get_running_loop()
-        deadline = None if total_s is None else loop.time() + total_s
+        start = loop.time()
+        deadline = None if total_s is None else start + total_s
+        # (A timer on the loop rather than a cancel scope around the call: the
+        # head's wait is on every request's way to its first byte.)
+        head_by = None if head_s is None else start + head_s
+        connect_by = min((t for t in (deadline, head_by) if t is not None), default=None)
         conn = self._reuse(key)
         reused = conn is not None
         while True:
             if conn is None:
-                conn = await self._connect(key, deadline)
+                conn = await self._connect(key, connect_by)
             resp = HopResponse(conn, deadline)
             conn.start(resp, request)
             try:
-                await resp._wait_head()
+                await resp._wait_head(head_by)
             except aiohttp.ServerDisconnectedError:
                 resp.close()
                 # A kept connection the engine closed as it was reused gives nothing
@@ -441,6 +484,9 @@ class HopSession:
             _, proto = await loop.create_connection(lambda: _Conn(self, key), host, port, ssl=ctx)
             return proto
         assert scope.cancelled_caught
+        if limit < _CONNECT_S:
+            # The caller's budget ran out, not the engine's time to accept.
+            raise TimeoutError(f"the request's time ran out connecting to {host}:{port}")
         raise aiohttp.ServerTimeoutError(f"connecting to {host}:{port} timed out")
 
     def _keep(self, conn: _Conn) -> None:

@@ -183,12 +183,12 @@ class Dispatcher:
                 data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
                 headers = {"Content-Type": "application/json", "X-Request-Id": d.request_id}
                 resp: EngineResponse
-                with anyio.fail_after(head):
-                    if self.hop is not None:
-                        resp = await self.hop.post(
-                            cfg.url + path, data=data, headers=headers, total_s=total
-                        )
-                    else:
+                if self.hop is not None:
+                    resp = await self.hop.post(
+                        cfg.url + path, data=data, headers=headers, total_s=total, head_s=head
+                    )
+                else:
+                    with anyio.fail_after(head):
                         resp = await self.session.post(
                             cfg.url + path,
                             data=data,

@@ -223,10 +223,18 @@ class ChatStream:
             if self._eof:
                 return None
             try:
-                with anyio.move_on_after(self._idle_s) as idle:
-                    piece = await self._resp.content.readany()
-                if idle.cancelled_caught:
+                within = getattr(self._resp.content, "readany_within", None)
+                got: bytes | None
+                if within is not None:
+                    # The hop's own timer: cheaper than a cancel scope per read.
+                    got = await within(self._idle_s)
+                else:
+                    got = None
+                    with anyio.move_on_after(self._idle_s):
+                        got = await self._resp.content.readany()
+                if got is None:
                     self._fail(f"stalled for {self._idle_s:g} s (idle_timeout_s)")
+                piece = got or b""
                 if not piece:  # the engine closed the stream without [DONE]
                     self._end()
                     return None
