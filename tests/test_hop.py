@@ -178,6 +178,27 @@ async def test_the_total_budget_ends_a_stalled_body_with_a_timeout() -> None:
             await resp.content.readany()
 
 
+async def test_a_get_has_no_body_and_gives_the_content_length() -> None:
+    seen: list[bytes] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            seen.append(await r.readuntil(b"\r\n\r\n"))
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsnap")
+            await w.drain()
+
+    s = HopSession()
+    async with server(handler) as (url, peers):
+        for _ in range(2):
+            resp = await s.get(url.replace("/v1/chat/completions", "/bear/snapshot"), total_s=5.0)
+            assert (resp.status, resp.content_length) == (200, 4)
+            assert await body_of(resp) == b"snap"
+        assert len(peers) == 1  # one kept connection
+    assert all(h.startswith(b"GET /bear/snapshot HTTP/1.1\r\n") for h in seen)
+    assert not any(b"content-length" in h.lower() for h in seen)
+    await s.close()
+
+
 async def test_a_head_later_than_its_bound_is_a_timeout_and_the_connection_closes() -> None:
     gone = asyncio.Event()
 

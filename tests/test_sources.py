@@ -12,6 +12,11 @@ import pytest
 from aiohttp import web
 
 from bearsdk.io import Backoff, PollSource, PushSource, SnapshotPublisher, SnapshotSource
+
+try:
+    from bearsdk.io.hop import HopSession
+except ImportError:  # httptools missing: the hop's kind is left out
+    HopSession = None  # type: ignore[assignment,misc]
 from bearsdk.state import SnapshotCache
 
 FAST = Backoff(initial_s=0.01, max_s=0.05)
@@ -93,10 +98,28 @@ def rejections(cache: SnapshotCache, n: int) -> Callable[[], bool]:
     return lambda: cache.stats().rejected_total >= n
 
 
+_HOPS: list[HopSession] = []
+
+
+def _poll_by_hop(url: str) -> PollSource:
+    # The router's own client, as AsyncRouter hands it to the poll sources.
+    _HOPS.append(HopSession())
+    return PollSource(url, interval_s=0.005, timeout_s=1.0, backoff=FAST, hop=_HOPS[-1])
+
+
+@pytest.fixture(autouse=True)
+async def _close_hops() -> AsyncIterator[None]:
+    yield
+    while _HOPS:
+        await _HOPS.pop().close()
+
+
 SOURCES: dict[str, Callable[[str], SnapshotSource]] = {
     "poll": lambda url: PollSource(url, interval_s=0.005, timeout_s=1.0, backoff=FAST),
     "push": lambda url: PushSource(url, heartbeat_s=0.1, connect_timeout_s=1.0, backoff=FAST),
 }
+if HopSession is not None:
+    SOURCES["poll-hop"] = _poll_by_hop
 
 
 @pytest.fixture(params=sorted(SOURCES))
@@ -279,9 +302,15 @@ async def test_push_coalesces_and_honours_min_interval(engine: Engine) -> None:
     assert src.stats().documents < 50
 
 
-async def test_poll_rejects_oversized_bodies(engine: Engine) -> None:
+@pytest.mark.parametrize("by_hop", [False, True])
+async def test_poll_rejects_oversized_bodies(engine: Engine, by_hop: bool) -> None:
+    if by_hop and HopSession is None:
+        pytest.skip("httptools is not installed")
     cache = SnapshotCache("eng-0")
-    src = PollSource(engine.url, interval_s=0.005, max_bytes=300, backoff=FAST)
+    hop = HopSession() if by_hop else None
+    if hop is not None:
+        _HOPS.append(hop)
+    src = PollSource(engine.url, interval_s=0.005, max_bytes=300, backoff=FAST, hop=hop)
     async with anyio.create_task_group() as tg:
         await tg.start(src.run, cache)
         engine.publish(5, n=20)

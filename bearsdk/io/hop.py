@@ -4,12 +4,14 @@ Every routed request crosses one HTTP hop, router to engine, and a router's
 own added latency is mostly that hop's client: aiohttp's general-purpose
 client spends about 0.1 ms of CPU per request before the first byte comes
 back (cookies, tracing, redirects, timers, a stream reader per response).
-:class:`HopSession` does only what the hop needs: ``POST`` a JSON body on a
-kept-alive connection and hand back the response's body pieces as they come,
+:class:`HopSession` does only what the hop needs: ``POST`` a JSON body (or
+``GET`` a snapshot) on a kept-alive connection and hand back the response's
+body pieces as they come,
 parsed by llhttp (the ``httptools`` package, the parser uvicorn uses), with
-the surface of :class:`aiohttp.ClientSession` the dispatcher uses
-(``post(...)``, ``status``, ``content.readany()``, ``content.read(n)``,
-``close()``, ``release()``) and its error types (:class:`aiohttp.ClientError`,
+the surface of :class:`aiohttp.ClientSession` the dispatcher and the
+snapshot poller use (``post(...)``, ``get(...)``, ``status``,
+``content_length``, ``content.readany()``, ``content.read(n)``, ``close()``,
+``release()``) and its error types (:class:`aiohttp.ClientError`,
 :class:`OSError`, :class:`TimeoutError`).
 
 Connections are kept per host and reused last-in first-out, for at most
@@ -129,7 +131,12 @@ class _Conn(asyncio.Protocol):
         n = name.lower()
         resp = self._resp
         assert resp is not None
-        if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
+        if n == b"content-length":
+            resp._until_close = False
+            if not value.strip().isdigit():  # (llhttp refuses it first: kept as a guard)
+                raise httptools.HttpParserError("its Content-Length is not a number")
+            resp.content_length = int(value)
+        elif n == b"transfer-encoding" and b"chunked" in value.lower():
             resp._until_close = False
 
     def on_headers_complete(self) -> None:
@@ -189,6 +196,7 @@ class HopResponse:
         loop = asyncio.get_running_loop()
         self._conn = conn
         self.status = 0
+        self.content_length: int | None = None
         self._head: int | None = None
         self._head_size = 0
         self._head_wait: asyncio.Future[None] = loop.create_future()
@@ -372,7 +380,7 @@ def _elapsed(started: float) -> str:
 
 
 class HopSession:
-    """Kept-alive HTTP/1.1 connections to engines, ``POST`` only (see the module).
+    """Kept-alive HTTP/1.1 connections to engines: ``POST`` and ``GET`` (see the module).
 
     Args:
         ssl_context: For ``https`` engines (default: the system's trust store).
@@ -402,16 +410,40 @@ class HopSession:
                 included: later reads raise it too) ran out first, or the head
                 took longer than ``head_s`` from the request's start.
         """
+        return await self._request(b"POST", url, data, headers, total_s, head_s)
+
+    async def get(
+        self, url: str, *, headers: Mapping[str, str] | None = None, total_s: float | None = None
+    ) -> HopResponse:
+        """``GET`` ``url`` (a snapshot poll); return once the response's head came.
+
+        Raises:
+            As :meth:`post`.
+        """
+        return await self._request(b"GET", url, None, headers or {}, total_s, None)
+
+    async def _request(
+        self,
+        method: bytes,
+        url: str,
+        data: bytes | None,
+        headers: Mapping[str, str],
+        total_s: float | None,
+        head_s: float | None,
+    ) -> HopResponse:
         if self.closed:
             raise aiohttp.ClientConnectionError("the session is closed")
-        key, head = self._target(url)
-        lines = [head]
+        key, target = self._target(url)
+        lines = [method, target]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r} holds a line break")
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"Content-Length: %d\r\n\r\n" % len(data))
-        lines.append(data)
+        if data is None:
+            lines.append(b"\r\n")
+        else:
+            lines.append(b"Content-Length: %d\r\n\r\n" % len(data))
+            lines.append(data)
         request = b"".join(lines)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -454,8 +486,8 @@ class HopSession:
             host = u.hostname if u.port is None else f"{u.hostname}:{u.port}"
             if ":" in u.hostname:  # an IPv6 literal
                 host = f"[{u.hostname}]" if u.port is None else f"[{u.hostname}]:{u.port}"
-            head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
-            got = ((u.scheme, u.hostname, port), head)
+            target = f" {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
+            got = ((u.scheme, u.hostname, port), target)
             if len(self._urls) >= _MAX_URLS:
                 self._urls.clear()
             self._urls[url] = got

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 import anyio
@@ -24,7 +24,26 @@ from bearsdk.snapshot import MAX_SNAPSHOT_BYTES
 from bearsdk.state.cache import Outcome, Reject
 
 if TYPE_CHECKING:
+    from bearsdk.io.hop import HopSession
     from bearsdk.state.cache import SnapshotCache
+
+
+class _Body(Protocol):
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+class _Response(Protocol):
+    """A polled response: aiohttp's, or the hop's."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content(self) -> _Body: ...
+
 
 __all__ = ["PollSource", "PushSource"]
 
@@ -63,6 +82,9 @@ class PollSource(_Tracked):
         max_bytes: Larger responses are rejected (``too-large``) unread.
         session: A shared client session (default: an own one per :meth:`run`).
         name: Label in logs (default: ``poll:{url}``).
+        hop: The router's own client (:class:`~bearsdk.io.hop.HopSession`):
+            polls go by it instead of ``session``, at a fraction of the CPU
+            (a router polls every instance 20 times a second).
     """
 
     url: str = attrs.field(converter=_base)
@@ -71,6 +93,7 @@ class PollSource(_Tracked):
     backoff: Backoff = attrs.field(factory=Backoff)
     max_bytes: int = MAX_SNAPSHOT_BYTES
     session: aiohttp.ClientSession | None = None
+    hop: HopSession | None = attrs.field(default=None, kw_only=True)
     _name: str = attrs.field(default="", alias="name")
     _health: _Health = attrs.field(init=False)
     _rng: random.Random = attrs.field(init=False, factory=random.Random)
@@ -91,8 +114,12 @@ class PollSource(_Tracked):
         async with _session(self.session) as session:
             while True:
                 try:
-                    with anyio.fail_after(self.timeout_s):
-                        data = await self._fetch(session, cache)
+                    if self.hop is not None:
+                        # (Its own deadline covers the body too: no cancel scope.)
+                        data = await self._fetch_hop(self.hop, cache)
+                    else:
+                        with anyio.fail_after(self.timeout_s):
+                            data = await self._fetch(session, cache)
                 except (*_RETRY, _Failure) as exc:
                     streak = self._health.fail(exc)
                     fresh = True
@@ -112,29 +139,43 @@ class PollSource(_Tracked):
 
     async def _fetch(self, session: aiohttp.ClientSession, cache: SnapshotCache) -> bytes | None:
         async with session.get(f"{self.url}/bear/snapshot") as resp:
-            if resp.status != 200:
-                raise _Failure(f"GET /bear/snapshot: HTTP {resp.status}")
-            if resp.content_length is not None and resp.content_length > self.max_bytes:
-                cache.reject(
-                    Reject.TOO_LARGE,
-                    f"snapshot body: must be <= {self.max_bytes} bytes (got {resp.content_length})",
-                    source=self._name,
-                )
-                return None
-            data = await resp.content.read(self.max_bytes + 1)
-            while len(data) <= self.max_bytes:
-                more = await resp.content.read(self.max_bytes + 1 - len(data))
-                if not more:
-                    break
-                data += more
-            if len(data) > self.max_bytes:
-                cache.reject(
-                    Reject.TOO_LARGE,
-                    f"snapshot body: must be <= {self.max_bytes} bytes (got more)",
-                    source=self._name,
-                )
-                return None
-            return data
+            return await self._body(resp, cache)
+
+    async def _fetch_hop(self, hop: HopSession, cache: SnapshotCache) -> bytes | None:
+        resp = await hop.get(f"{self.url}/bear/snapshot", total_s=self.timeout_s)
+        try:
+            data = await self._body(resp, cache)
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()  # (kept for the next poll only if read to its end)
+        return data
+
+    async def _body(self, resp: _Response, cache: SnapshotCache) -> bytes | None:
+        """The snapshot's bytes, or ``None`` when its size was refused."""
+        if resp.status != 200:
+            raise _Failure(f"GET /bear/snapshot: HTTP {resp.status}")
+        if resp.content_length is not None and resp.content_length > self.max_bytes:
+            cache.reject(
+                Reject.TOO_LARGE,
+                f"snapshot body: must be <= {self.max_bytes} bytes (got {resp.content_length})",
+                source=self._name,
+            )
+            return None
+        data = await resp.content.read(self.max_bytes + 1)
+        while len(data) <= self.max_bytes:
+            more = await resp.content.read(self.max_bytes + 1 - len(data))
+            if not more:
+                break
+            data += more
+        if len(data) > self.max_bytes:
+            cache.reject(
+                Reject.TOO_LARGE,
+                f"snapshot body: must be <= {self.max_bytes} bytes (got more)",
+                source=self._name,
+            )
+            return None
+        return data
 
 
 @attrs.define

@@ -387,7 +387,7 @@ class AsyncRouter(Runs):
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         )
         self._dispatch.session = self._runtime.session = session
-        self._dispatch.hop = hop = _hop() if own else None
+        self._dispatch.hop = self._runtime.hop = hop = _hop() if own else None
         try:
             async with anyio.create_task_group() as tg:
                 if self.cluster is not None:
@@ -401,7 +401,7 @@ class AsyncRouter(Runs):
         finally:
             self._tg = None
             self._dispatch.session = self._runtime.session = None
-            self._dispatch.hop = None
+            self._dispatch.hop = self._runtime.hop = None
             if own:
                 # Shielded: a router left by a cancellation (Ctrl-C) must not leak
                 # its session.

@@ -27,6 +27,7 @@ from bearsdk.router.sources import SourceContext, get_snapshot_source
 if TYPE_CHECKING:
     from bearsdk.cluster import Cluster
     from bearsdk.io.base import SnapshotSource, SourceStats
+    from bearsdk.io.hop import HopSession
     from bearsdk.prefix_cache import PrefixCacheState
 
 __all__ = ["InstanceRuntime"]
@@ -42,12 +43,15 @@ class InstanceRuntime:
         core: The core whose caches the sources feed.
         calibrate: Follow each engine's batch records (online eq. 12 calibration).
         cluster: The router's cluster, for sources that need one.
+
+    ``session`` and ``hop`` are the router's HTTP clients while it runs.
     """
 
     core: RouterCore
     calibrate: bool = True
     cluster: Cluster | None = None
     session: aiohttp.ClientSession | None = None
+    hop: HopSession | None = None
     _scopes: dict[str, anyio.CancelScope] = attrs.field(factory=dict)
     _online: dict[str, OnlineBatchTime] = attrs.field(factory=dict)
     _sources: dict[str, SnapshotSource] = attrs.field(factory=dict)
@@ -62,7 +66,9 @@ class InstanceRuntime:
         assert self.session is not None
         kind = get_snapshot_source(slot.config.snapshots)
         source = kind.factory(
-            SourceContext(slot.config, self.session, cluster=self.cluster, shadow=slot.shadow)
+            SourceContext(
+                slot.config, self.session, cluster=self.cluster, shadow=slot.shadow, hop=self.hop
+            )
         )
         with anyio.CancelScope() as scope:
             self._scopes[slot.name] = scope
