@@ -112,20 +112,6 @@ class Ask:
     approx: tuple[str, list[int] | None] = ("", None)
     priced: dict[str, list[int]] | None = None
 
-    @classmethod
-    def of(
-        cls,
-        pred: PoolPrediction,
-        max_tokens: int | None,
-        now: float,
-        next_tokens: int = 0,
-        ids: PromptIds | dict[str, PromptIds] | None = None,
-        approx: tuple[str, list[int] | None] = ("", None),
-        priced: dict[str, list[int]] | None = None,
-    ) -> Ask:
-        """The request with the predictions ``pred``."""
-        return cls(columns(pred), max_tokens, now, next_tokens, ids, approx, priced)
-
 
 def columns(pred: PoolPrediction) -> _Columns:
     """:attr:`Ask.cols` of the predictions ``pred``."""
@@ -137,7 +123,7 @@ def columns(pred: PoolPrediction) -> _Columns:
     )
 
 
-class _PerModel(dict[int, tuple[float, int, int, float, float, "PromptIds | None"]]):
+class _PerModel(dict[int, tuple[float, int, int, float, float, PromptIds | None]]):
     """What depends on the model alone, once per model and decision (a pool has
     few models and may have hundreds of instances): accuracy, output and
     prompt tokens, cost, utility and the prompt's ids, by model index."""
