@@ -533,3 +533,23 @@ def test_ctrl_c_demo(files: Path) -> None:
         files,
     )
     _interrupted(rc, out, "bearsdk demo")
+
+
+def test_a_command_other_than_bench_loads_no_benchmark() -> None:
+    # The benchmarks import most of the package: `bearsdk serve` and the others
+    # start without them, and `bench` still lists and runs every one.
+    code = (
+        "import sys\n"
+        "from bearsdk.cli import build_parser\n"
+        "p = build_parser(sys.argv[1:])\n"
+        "args, _ = p.parse_known_args(sys.argv[1:])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('bearsdk.bench.')))\n"
+    )
+    run = [sys.executable, "-c", code]
+    out = subprocess.run([*run, "serve", "--config", "x.toml"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    out = subprocess.run([*run, "bench", "router", "--skip-proxy"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "'bearsdk.bench.router'" in out.stdout
+    assert "'bearsdk.bench.decisions'" in out.stdout  # (every one, for bench --help)

@@ -223,8 +223,15 @@ def writable_dir(path: str, what: str = "output folder") -> None:
         ) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every sub-command registered."""
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with every sub-command registered.
+
+    Args:
+        argv: The words to be parsed, when known: a command whose module sets
+            ``LOADS_ON_USE`` (``bench``, whose benchmarks import most of the
+            package) then registers its subcommands only if it is named there,
+            so that ``bearsdk serve`` starts without them.
+    """
     from bearsdk import __version__, _twins
 
     parser = ArgumentParser(
@@ -248,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         register = getattr(module, "register", None)
-        if register is not None:
+        if register is None:
+            continue
+        if argv is not None and getattr(module, "LOADS_ON_USE", False) and info.name not in argv:
+            register(sub, full=False)
+        else:
             register(sub)
     return parser
 
@@ -331,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args: argparse.Namespace | None = None
     try:
-        parser = build_parser()
+        parser = build_parser(words)
         args, extra = parser.parse_known_args(words)
         if extra:
             # Said by the command's own parser: `bearsdk replay: error: ...`.

@@ -55,11 +55,10 @@ from bearsdk.cli.demo_jobs import (
     rerun_plan,
     usable_cpus,
 )
-from bearsdk.evaluation import RunSummary, drive_workload, summarize
-from bearsdk.replay import IMPLEMENTATION
 
 if TYPE_CHECKING:
     from bearsdk.emulator import EngineConfig
+    from bearsdk.evaluation import RunSummary
     from bearsdk.predictors import Predictor
     from bearsdk.workload import WorkItem
 
@@ -183,6 +182,7 @@ def _engines(job: _Job) -> tuple[list[EngineConfig], list[WorkItem], Predictor |
 
 async def _run_async(job: _Job) -> RunSummary:
     from bearsdk.emulator import EnginePool
+    from bearsdk.evaluation import drive_workload, summarize
     from bearsdk.router import AsyncRouter, InstanceConfig
     from bearsdk.selectors import make_selector
 
@@ -407,6 +407,8 @@ def _run(args: argparse.Namespace) -> int:
         for r in args.rates
         for p in args.policies
     ]
+    from bearsdk.replay import IMPLEMENTATION
+
     if args.jobs is not None:
         workers = min(args.jobs, len(jobs))
         chosen = ""

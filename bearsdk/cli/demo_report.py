@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bearsdk.evaluation import RunSummary
+if TYPE_CHECKING:
+    from bearsdk.evaluation import RunSummary
 
 __all__ = ["svg", "table", "unreliable"]
 
