@@ -6,13 +6,14 @@ client spends about 0.1 ms of CPU per request before the first byte comes
 back (cookies, tracing, redirects, timers, a stream reader per response).
 :class:`HopSession` does only what the hop needs: ``POST`` a JSON body (or
 ``GET`` a snapshot) on a kept-alive connection and hand back the response's
-body pieces as they come,
-parsed by llhttp (the ``httptools`` package, the parser uvicorn uses), with
-the surface of :class:`aiohttp.ClientSession` the dispatcher and the
-snapshot poller use (``post(...)``, ``get(...)``, ``status``,
-``content_length``, ``content.readany()``, ``content.read(n)``, ``close()``,
-``release()``) and its error types (:class:`aiohttp.ClientError`,
-:class:`OSError`, :class:`TimeoutError`).
+body pieces as they come, parsed by llhttp (the ``httptools`` package, the
+parser uvicorn uses), with the surface of :class:`aiohttp.ClientSession` the
+dispatcher and the snapshot poller use (``post(...)``, ``get(...)``,
+``status``, ``content_length``, ``content.readany()``, ``content.read(n)``,
+``close()``, ``release()``) and its error types (:class:`aiohttp.ClientError`,
+:class:`OSError`, :class:`TimeoutError`). Its own timers bound a response's
+head and a stream's silences (``head_s``, :meth:`HopResponse.readany_within`):
+cheaper than a cancel scope around every request and every read.
 
 Connections are kept per host and reused last-in first-out, for at most
 :data:`KEEP_IDLE_S` idle (below the 5 s after which uvicorn, vLLM's server,
@@ -20,8 +21,9 @@ closes an idle one: a request never races the server's close), at most
 :data:`MAX_IDLE_PER_HOST` of them. A response's head is bounded (its status
 line and each header line to :data:`MAX_HEAD_BYTES` in all); its body is
 buffered up to :data:`MAX_BUFFER_BYTES` before the connection stops reading.
-The router uses it when ``httptools`` is installed (the ``gateway`` extra) and
-the caller gave no session of its own.
+The router uses it, for its requests and its snapshot polls, when
+``httptools`` is installed (the ``gateway`` extra) and the caller gave no
+session of its own.
 """
 
 from __future__ import annotations
