@@ -206,7 +206,7 @@ def _price(
         fields = getattr(est, "fields", None)
         if fields is not None:
             # BEA's own form: every option positional, the fields as a tuple.
-            ov = first_token_overhead(s, now)
+            ov = first_token_overhead(s, now) if s.overhead_s > 0.0 else 0.0
             left = max(horizon - ov, MIN_HORIZON_S) if horizon != math.inf else math.inf
             f: LatencyFields = fields(
                 eptok,
