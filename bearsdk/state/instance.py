@@ -415,9 +415,9 @@ class InstanceState:
                 # The engine got through at most ``age`` seconds of that work since.
                 lb = est.bound(base, prompt_tokens) - min(age, 1e9)
                 if lb > horizon_s:
-                    e = (lb, "bound", age, 0, True, NAN, NAN, NAN)
+                    got: EstimateFields = (lb, "bound", age, 0, True, NAN, NAN, NAN)
                     # (Most estimates keep their mode: no call to log a switch.)
-                    return e if self._mode == "bound" else self._set(e, now)
+                    return got if self._mode == "bound" else self._set(got, now)
                 checked = base
         prep, mode, pending, elapsed = self._prepared(entry, now, age)
         if next_tokens > 0:
@@ -468,8 +468,8 @@ class InstanceState:
                 elapsed,
                 prep is not checked or elapsed != age,
             )
-        e = (t, mode, age, pending, t > horizon_s, NAN, NAN, NAN)
-        return e if self._mode == mode else self._set(e, now)
+        got = (t, mode, age, pending, t > horizon_s, NAN, NAN, NAN)
+        return got if self._mode == mode else self._set(got, now)
 
     def _anchor(self, ff: FastForward, now: float) -> bool:
         """Anchor ``ff``'s clock on the latest first token (once per view).
