@@ -126,25 +126,25 @@ def columns(pred: PoolPrediction) -> _Columns:
 class _PerModel(dict[int, tuple[float, int, int, float, float, PromptIds | None]]):
     """What depends on the model alone, once per model and decision (a pool has
     few models and may have hundreds of instances): accuracy, output and
-    prompt tokens, cost, utility and the prompt's ids, by model index."""
+    prompt tokens, cost, utility and the prompt's ids, by model index
+    (``per_model[s.model_index]``, computed on first use)."""
 
-    __slots__ = ("_ask", "_by_model", "_lam", "_shared")
+    __slots__ = ("_ask", "_by_model", "_lam", "_models", "_shared")
 
     def __init__(self, core: RouterCore, ask: Ask) -> None:
         super().__init__()
         self._ask = ask
         self._lam = core.selector.lam
+        self._models = core.predictor.models
         self._shared, self._by_model = _split_ids(ask.ids)
 
-    def add(self, s: InstanceSlot) -> tuple[float, int, int, float, float, PromptIds | None]:
-        """The terms of ``s``'s model, computed and kept."""
-        j = s.model_index
+    def __missing__(self, j: int) -> tuple[float, int, int, float, float, PromptIds | None]:
         ask = self._ask
         accs, outs, ptoks, costs = ask.cols
         out = int(outs[j])
         if ask.max_tokens is not None:
             out = min(out, ask.max_tokens)
-        p = self._shared if self._by_model is None else self._by_model.get(s.config.model)
+        p = self._shared if self._by_model is None else self._by_model.get(self._models[j])
         # The engines' own count when the prompt's ids are known.
         ptok = len(p) if p else max(1, int(ptoks[j]))
         acc, cost = accs[j], costs[j] * MICRO
@@ -181,10 +181,7 @@ def _price(
     if per_model is None:
         per_model = _PerModel(core, ask)
     for s in slots:
-        m = per_model.get(s.model_index)
-        if m is None:
-            m = per_model.add(s)
-        acc, out, ptok, cost, utility, p = m
+        acc, out, ptok, cost, utility, p = per_model[s.model_index]
         keys: list[int]
         if p is None and s.dispatches is None:
             keys, cached, source, eptok = [], -1, "", ptok
@@ -206,7 +203,7 @@ def _price(
         fields = getattr(est, "fields", None)
         if fields is not None:
             # BEA's own form: every option positional, the fields as a tuple.
-            ov = first_token_overhead(s, now) if s.overhead_s > 0.0 else 0.0
+            ov = first_token_overhead(s, now)
             left = max(horizon - ov, MIN_HORIZON_S) if horizon != math.inf else math.inf
             f: LatencyFields = fields(
                 eptok,
@@ -347,10 +344,7 @@ def unpriced(
     if per_model is None:
         per_model = _PerModel(core, ask)
     for s in slots:
-        m = per_model.get(s.model_index)
-        if m is None:
-            m = per_model.add(s)
-        acc, out, ptok, cost, utility, p = m
+        acc, out, ptok, cost, utility, p = per_model[s.model_index]
         if p is None and s.dispatches is None:
             cached, source = -1, ""
         else:
@@ -414,12 +408,10 @@ def price_best_first(
     per_model = _PerModel(core, ask)
     by_level: dict[float, list[int]] = {}
     for i, s in enumerate(slots):
-        m = per_model.get(s.model_index)
-        if m is None:
-            m = per_model.add(s)
-        idx = by_level.get(m[4])
+        u = per_model[s.model_index][4]
+        idx = by_level.get(u)
         if idx is None:
-            by_level[m[4]] = [i]
+            by_level[u] = [i]
         else:
             idx.append(i)
     if any(u != u for u in by_level):  # (nan)
