@@ -93,6 +93,16 @@ class PoolPrediction:
     cost_usd: npt.NDArray[np.float64]
     output_quantiles: Mapping[float, npt.NDArray[np.float64]] = attrs.field(factory=dict)
 
+    def lists(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Accuracy, output tokens, prompt tokens and cost as plain lists, in pool
+        order (what the router reads, one value at a time)."""
+        return (
+            self.accuracy.tolist(),
+            self.output_tokens.tolist(),
+            self.prompt_tokens.tolist(),
+            self.cost_usd.tolist(),
+        )
+
     def utility(self, lam: float) -> npt.NDArray[np.float64]:
         """Return eq. 4's ``accuracy - lam * cost_usd`` per model."""
         out: npt.NDArray[np.float64] = self.accuracy - lam * self.cost_usd
@@ -404,19 +414,13 @@ class Predictor:
 
         The router's hot path: it reads each model's values one at a time, which
         plain floats serve faster than arrays, and needs no prediction object.
-        The values are :meth:`predict`'s to the bit.
+        The values are :meth:`predict`'s to the bit (:meth:`PoolPrediction.lists`).
 
         Raises:
             PredictorError: ``prompt`` is not a str.
         """
         if self.relative is not None or self.priors:
-            got = self.predict(prompt, quantiles=False)
-            return (
-                got.accuracy.tolist(),
-                got.output_tokens.tolist(),
-                got.prompt_tokens.tolist(),
-                got.cost_usd.tolist(),
-            )
+            return self.predict(prompt, quantiles=False).lists()
         if not isinstance(prompt, str):
             raise PredictorError("prompt", "must be a str", type(prompt).__name__)
         x = self._template.copy()

@@ -74,7 +74,6 @@ from bearsdk.router.pricing import (
     Ask,
     PruningMemo,
     Row,
-    columns,
     price,
     price_best_first,
     reprice_lowest,
@@ -458,9 +457,7 @@ class RouterCore(RouterFeedback):
         now = self.clock()
         text = prompt_text(prompt)
         fast = getattr(self.predictor, "predict_lists", None)
-        cols = (
-            columns(self.predictor.predict(text, quantiles=False)) if fast is None else fast(text)
-        )
+        cols = self.predictor.predict(text, quantiles=False).lists() if fast is None else fast(text)
         if exclude or instances is not None:
             slots = [
                 s

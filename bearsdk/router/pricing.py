@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 from bearsdk.estimators.base import LatencyFields
-from bearsdk.predictors.predictor import PoolPrediction
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.slot import InstanceSlot, block_size, cached_tokens, first_token_overhead
@@ -32,7 +31,6 @@ __all__ = [
     "Ask",
     "PruningMemo",
     "Row",
-    "columns",
     "price",
     "price_best_first",
     "reprice_lowest",
@@ -111,16 +109,6 @@ class Ask:
     ids: PromptIds | dict[str, PromptIds] | None = None
     approx: tuple[str, list[int] | None] = ("", None)
     priced: dict[str, list[int]] | None = None
-
-
-def columns(pred: PoolPrediction) -> _Columns:
-    """:attr:`Ask.cols` of the predictions ``pred``."""
-    return (
-        pred.accuracy.tolist(),
-        pred.output_tokens.tolist(),
-        pred.prompt_tokens.tolist(),
-        pred.cost_usd.tolist(),
-    )
 
 
 class _PerModel(dict[int, tuple[float, int, int, float, float, PromptIds | None]]):
