@@ -24,9 +24,9 @@
 
 from libc.stdint cimport int8_t, int32_t, int64_t
 from libc.stdlib cimport free, qsort
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
-from _mem cimport mem_alloc, mem_reserve, mem_resize
+from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_resize
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs, Ev,
@@ -152,6 +152,62 @@ ctypedef struct Batch:
     bint active          # in the pipeline, not processed yet
     bint sampled_any
 
+ctypedef struct Checkpoint:
+    # Where a replay may resume: the state at the top of the last loop turn
+    # before the new request was first examined (see take_checkpoint).
+    int status           # CK_NONE, CK_LOCATED (step known) or CK_TAKEN (state held)
+    int64_t step         # the turn's step
+    double join_lo       # the arrivals it holds for: those in (join_lo, join_hi],
+    double join_hi       #   which join the waiting queue at the same batch's end
+    Coeffs c             # ... and the coefficients
+    int64_t owner        # ... and the replayer (its serial)
+    bint force_slow      # ... and the replayer's force_slow
+    double t
+    int64_t n_slots
+    Req* r               # every slot, materialised
+    int64_t cap_r
+    int32_t* ro
+    int64_t cap_ro
+    int64_t ro_n
+    int64_t n_running
+    int32_t* ex
+    int64_t cap_ex
+    int64_t n_ex
+    int32_t* wq          # linearised (head first)
+    int64_t cap_wq
+    int64_t wq_n
+    int64_t* hist
+    int64_t cap_hist
+    int64_t n_lazy
+    int64_t s_base
+    int64_t n_grow
+    int64_t leave_pos
+    Ev* leave_heap
+    int64_t cap_leave
+    int64_t n_leave_heap
+    int64_t release_pos
+    Ev* release_heap
+    int64_t cap_release
+    int64_t n_release_heap
+    int64_t free_blocks
+    int64_t vt
+    int64_t k
+    int64_t work
+    bint materialized
+    bint st_force_slow
+    bint slow_until_b0
+    bint b0_done
+    int64_t ring_n       # 0 or 1 at a turn's top (the batch in flight, async)
+    Batch b              # its scalars (the arrays below hold its lists)
+    int32_t* b_rel
+    int64_t cap_b_rel
+    int32_t* b_stale
+    int64_t cap_b_stale
+    int64_t* b_stale_tok
+    int64_t cap_b_stale_tok
+    Ev* b_samp
+    int64_t cap_b_samp
+
 ctypedef struct State:
     Params* P
     Req* r               # per-replay copies, made on first touch (see R)
@@ -225,6 +281,13 @@ ctypedef struct State:
     int64_t* log
     int64_t n_log
     int64_t cap_log
+    # resuming (see take_checkpoint)
+    Checkpoint* ck       # the prepared state's checkpoint, or NULL
+    bint ck_take         # take it at the top of the turn at step ck.step
+    int64_t top_step     # the last turn's top before the new request was examined
+    double t_before      # when the latest batch started
+    double join_lo       # the arrivals that join where the new request joined:
+    double join_hi       #   (join_lo, join_hi]; join_hi < 0 once it joined an idle engine
 
 
 cdef inline Req* R(State* st, int64_t s) noexcept nogil:
@@ -1303,6 +1366,9 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         # Its arrival is met batch by batch too (a batch scheduled at or after
         # it sees the new request).
         m = run_limit_before(st, m, st.arrival)
+    if st.ck_take and st.ck.step > st.step:
+        # A turn starts at the step whose state is to be kept.
+        m = imin(m, st.ck.step - st.step)
     if m < 2:
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
@@ -1352,6 +1418,112 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
 # The engine loop
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# Resuming: a replay's state before it first examined the new request
+# ---------------------------------------------------------------------------
+
+cdef enum:
+    CK_NONE = 0
+    CK_LOCATED = 1
+    CK_TAKEN = 2
+    # A turn this early saves less than taking its state costs.
+    CK_MIN_STEP = 4
+
+
+cdef inline int ck_reserve(void** dst, int64_t* cap, int64_t n, size_t itemsize) noexcept nogil:
+    """Room for ``n`` items in ``*dst``; -1 (nothing raised, ``*dst`` unchanged and
+    valid) when memory runs out."""
+    if n > cap[0]:
+        if mem_try_resize(dst, n, itemsize) < 0:
+            return -1
+        cap[0] = n
+    return 0
+
+
+cdef inline int ck_copy(void** dst, int64_t* cap, const void* src, int64_t n,
+                        size_t itemsize) noexcept nogil:
+    """``n`` items of ``src`` into ``*dst`` (see ck_reserve)."""
+    if ck_reserve(dst, cap, n, itemsize) < 0:
+        return -1
+    if n > 0:
+        memcpy(dst[0], src, n * itemsize)
+    return 0
+
+
+cdef void take_checkpoint(State* st) noexcept nogil:
+    """Keep the state at this turn's top in ``st.ck``, for later replays to resume from.
+
+    Until the scheduler first examines the new request (admission reaches it),
+    nothing the replay did depended on it: its batches are those of any new
+    request that joined the waiting queue at the same point. So a replay of
+    the same prepared state, arrival, coefficients and replayer, with a horizon
+    at or past this turn, may start here instead of at the snapshot: for a
+    long queue ahead, most of its batches. Out of memory, nothing is kept.
+    """
+    cdef Checkpoint* ck = st.ck
+    cdef int64_t i, n = st.n_slots
+    cdef Batch* b
+    ck.status = CK_NONE
+    if ck_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Req)) < 0:
+        return
+    for i in range(n):
+        if st.epoch[i] == st.cur:
+            ck.r[i] = st.r[i]
+    if ck_copy(<void**>&ck.ro, &ck.cap_ro, st.ro, st.ro_n, sizeof(int32_t)) < 0:
+        return
+    if ck_copy(<void**>&ck.ex, &ck.cap_ex, st.ex, st.n_ex, sizeof(int32_t)) < 0:
+        return
+    if ck_reserve(<void**>&ck.wq, &ck.cap_wq, st.wq_n, sizeof(int32_t)) < 0:
+        return
+    for i in range(st.wq_n):
+        ck.wq[i] = wq_at(st, i)
+    if ck_copy(<void**>&ck.hist, &ck.cap_hist, st.hist, st.P.bs, sizeof(int64_t)) < 0:
+        return
+    if ck_copy(<void**>&ck.leave_heap, &ck.cap_leave, st.leave.heap, st.leave.n_heap,
+               sizeof(Ev)) < 0:
+        return
+    if ck_copy(<void**>&ck.release_heap, &ck.cap_release, st.release.heap, st.release.n_heap,
+               sizeof(Ev)) < 0:
+        return
+    ck.ring_n = st.ring_n
+    if st.ring_n > 1:
+        return  # (a turn's top holds at most the batch in flight)
+    if st.ring_n == 1:
+        b = &st.ring[st.ring_head]
+        if ck_copy(<void**>&ck.b_rel, &ck.cap_b_rel, b.rel, b.n_rel, sizeof(int32_t)) < 0:
+            return
+        if ck_copy(<void**>&ck.b_stale, &ck.cap_b_stale, b.stale, b.n_stale, sizeof(int32_t)) < 0:
+            return
+        if ck_copy(<void**>&ck.b_stale_tok, &ck.cap_b_stale_tok, b.stale_tok, b.n_stale,
+                   sizeof(int64_t)) < 0:
+            return
+        if ck_copy(<void**>&ck.b_samp, &ck.cap_b_samp, b.samp, b.n_samp, sizeof(Ev)) < 0:
+            return
+        ck.b = b[0]
+    ck.n_slots = n
+    ck.ro_n = st.ro_n
+    ck.n_running = st.n_running
+    ck.n_ex = st.n_ex
+    ck.wq_n = st.wq_n
+    ck.n_lazy = st.n_lazy
+    ck.s_base = st.s_base
+    ck.n_grow = st.n_grow
+    ck.leave_pos = st.leave.pos
+    ck.n_leave_heap = st.leave.n_heap
+    ck.release_pos = st.release.pos
+    ck.n_release_heap = st.release.n_heap
+    ck.free_blocks = st.free_blocks
+    ck.vt = st.vt
+    ck.k = st.k
+    ck.work = st.work
+    ck.t = st.t
+    ck.materialized = st.materialized
+    ck.st_force_slow = st.force_slow
+    ck.slow_until_b0 = st.slow_until_b0
+    ck.b0_done = st.b0_done
+    ck.status = CK_TAKEN
+
+
 cdef inline bint new_lazily_served(State* st, Batch* b) noexcept nogil:
     """Did batch b serve the new request as a lazy decode (one token)?
 
@@ -1375,6 +1547,13 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
         if st.pending_new and st.t >= st.arrival:
             wq_push_back(st, st.new_slot)
             st.pending_new = False
+            st.join_lo = st.t_before
+            st.join_hi = st.t
+        if not st.new_seen and not st.pending_new:
+            if st.ck_take and st.step == st.ck.step:
+                st.ck_take = False
+                take_checkpoint(st)
+            st.top_step = st.step
         ran = try_run(st, a, p, c, max_batches)
         b = ring_new(st)
         schedule(st, a, p, c, b)
@@ -1383,6 +1562,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
             st.k += 1
             dt = st.c.b0 + st.c.b1 * fmax(<double>(b.pre + b.dec), st.c.tau) + st.c.b2 * b.dctx \
                 + st.c.b2s * b.dec + st.c.b3 * b.patt
+            st.t_before = st.t
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1412,6 +1592,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
                 st.t = st.arrival
                 wq_push_back(st, st.new_slot)
                 st.pending_new = False
+                st.join_hi = -1.0  # (the batches from here start at its arrival)
         if st.work >= st.max_work:
             return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         if st.ring_n < depth:
@@ -1529,8 +1710,24 @@ cdef class Prepared:
     cdef bint b0_sampled
     cdef object ids
     cdef int code
+    cdef Checkpoint ck     # where replays of it may resume (take_checkpoint)
+
+    def __cinit__(self):
+        memset(&self.ck, 0, sizeof(Checkpoint))
 
     def __dealloc__(self):
+        cdef Checkpoint* ck = &self.ck
+        free(ck.r)
+        free(ck.ro)
+        free(ck.ex)
+        free(ck.wq)
+        free(ck.hist)
+        free(ck.leave_heap)
+        free(ck.release_heap)
+        free(ck.b_rel)
+        free(ck.b_stale)
+        free(ck.b_stale_tok)
+        free(ck.b_samp)
         free(self.r)
         free(self.ro)
         free(self.ex)
@@ -1545,6 +1742,9 @@ cdef class Prepared:
         return self.n
 
 
+cdef int64_t _serials = 0
+
+
 cdef class Replayer:
     """Compiled replay of one bound policy (see :mod:`bearsdk.replay`)."""
 
@@ -1553,8 +1753,11 @@ cdef class Replayer:
     cdef readonly object policy
     cdef State st
     cdef public bint force_slow
+    cdef public bint resume
     cdef object _apc
     cdef bint _last_apc
+    cdef int64_t serial     # names it in the checkpoints it takes
+    cdef bint resumed
     implementation = IMPLEMENTATION
 
     def __cinit__(self):
@@ -1569,6 +1772,10 @@ cdef class Replayer:
         alloc = {"on-demand": 0, "prompt": 1, "max-length": 2}[p.allocate]
         self.code = alloc * 4 + (2 if p.async_scheduling else 0) + (1 if p.budget_count == "padded" else 0)
         self.force_slow = False
+        self.resume = True
+        global _serials
+        _serials += 1
+        self.serial = _serials
         # A snapshot with its block pool replays block by block (_replay_apc_c).
         self._apc = _replay_apc_c.Replayer(p) if p.prefix_caching else None
 
@@ -1876,6 +2083,12 @@ cdef class Replayer:
         st.n_log = 0
         st.ring_head = 0
         st.ring_n = 0
+        st.ck = NULL
+        st.ck_take = False
+        st.top_step = -1
+        st.t_before = -1.0
+        st.join_hi = -1.0
+        self.resumed = False
         # The new request joins the end of the waiting queue.
         st.n_slots = pr.n + 1
         st.new_slot = <int32_t>pr.n
@@ -1915,13 +2128,115 @@ cdef class Replayer:
                 arrival_s)
         cdef double horizon = horizon_arg(horizon_s, check_horizon)
         cdef double arrival = arrival_arg(arrival_s, check_arrival)
-        self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, arrival)
-        self.st.horizon = horizon
+        cdef Prepared pr = prepared
+        self._start(pr, prompt_tokens, output_len, max_tokens, coeffs, False, arrival)
+        cdef State* st = &self.st
+        cdef Checkpoint* ck = &pr.ck
+        st.horizon = horizon
+        cdef bint same = (
+            self.resume and ck.status != CK_NONE and ck.owner == self.serial
+            and ck.join_lo < arrival <= ck.join_hi and ck.force_slow == self.force_slow
+            and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
+        if same and ck.status == CK_TAKEN and ck.t <= horizon:
+            self._resume(pr)
+        elif same and ck.status == CK_LOCATED:
+            st.ck = ck
+            st.ck_take = True
         cdef int rc
         with nogil:
-            rc = run_dispatch(self.code, &self.st, 1_000_000)
+            rc = run_dispatch(self.code, st, 1_000_000)
+        if (self.resume and st.new_seen and st.top_step >= CK_MIN_STEP and st.join_hi >= 0.0
+                and not self.resumed and not same):
+            # A first look at this state (or with other terms): where a replay
+            # of it will keep the state to resume from.
+            ck.status = CK_LOCATED
+            ck.step = st.top_step
+            ck.join_lo = st.join_lo
+            ck.join_hi = st.join_hi
+            ck.c = st.c
+            ck.owner = self.serial
+            ck.force_slow = self.force_slow
         # At the work bound: the time replayed so far, a lower bound (as replay()).
-        return self.st.t if rc != R_NEVER else INFINITY
+        return st.t if rc != R_NEVER else INFINITY
+
+    cdef int _resume(self, Prepared pr) except -1:
+        """Start the replay that _start set up from ``pr``'s checkpoint instead.
+
+        The new request keeps the slot _start gave it; every other request is
+        copied from the checkpoint on first touch (a fresh epoch), the
+        containers and clocks are restored.
+        """
+        cdef State* st = &self.st
+        cdef Checkpoint* ck = &pr.ck
+        cdef Req fresh = st.r[st.new_slot]
+        cdef Batch* b
+        st.src = ck.r
+        st.cur += 1
+        if st.cur == 0x7fffffff:
+            memset(st.epoch, 0, sizeof(int32_t) * st.cap)
+            st.cur = 1
+        st.r[st.new_slot] = fresh
+        st.epoch[st.new_slot] = st.cur
+        memcpy(st.ro, ck.ro, sizeof(int32_t) * ck.ro_n)
+        st.ro_n = ck.ro_n
+        st.n_running = ck.n_running
+        memcpy(st.ex, ck.ex, sizeof(int32_t) * ck.n_ex)
+        st.n_ex = ck.n_ex
+        memcpy(st.wq, ck.wq, sizeof(int32_t) * ck.wq_n)
+        st.wq_head = 0
+        st.wq_n = ck.wq_n
+        memcpy(st.hist, ck.hist, sizeof(int64_t) * self.P.bs)
+        st.n_lazy = ck.n_lazy
+        st.s_base = ck.s_base
+        st.n_grow = ck.n_grow
+        mem_reserve(<void**>&st.leave.heap, &st.leave.cap_heap, ck.n_leave_heap, 16, sizeof(Ev))
+        mem_reserve(<void**>&st.release.heap, &st.release.cap_heap, ck.n_release_heap, 16,
+                    sizeof(Ev))
+        if ck.n_leave_heap:
+            memcpy(st.leave.heap, ck.leave_heap, sizeof(Ev) * ck.n_leave_heap)
+        if ck.n_release_heap:
+            memcpy(st.release.heap, ck.release_heap, sizeof(Ev) * ck.n_release_heap)
+        st.leave.n_heap = ck.n_leave_heap
+        st.leave.pos = ck.leave_pos
+        st.release.n_heap = ck.n_release_heap
+        st.release.pos = ck.release_pos
+        st.free_blocks = ck.free_blocks
+        st.vt = ck.vt
+        st.step = ck.step
+        st.k = ck.k
+        st.work = ck.work
+        st.t = ck.t
+        st.materialized = ck.materialized
+        st.force_slow = ck.st_force_slow
+        st.slow_until_b0 = ck.slow_until_b0
+        st.b0_done = ck.b0_done
+        st.ring_head = 0
+        st.ring_n = 0
+        if ck.ring_n:
+            b = ring_new(st)
+            b.vt = ck.b.vt
+            b.nsched = ck.b.nsched
+            b.pre = ck.b.pre
+            b.dec = ck.b.dec
+            b.dctx = ck.b.dctx
+            b.patt = ck.b.patt
+            b.admitted = ck.b.admitted
+            b.preempted = ck.b.preempted
+            b.active = ck.b.active
+            b.sampled_any = ck.b.sampled_any
+            memcpy(b.rel, ck.b_rel, sizeof(int32_t) * ck.b.n_rel)
+            b.n_rel = ck.b.n_rel
+            memcpy(b.stale, ck.b_stale, sizeof(int32_t) * ck.b.n_stale)
+            memcpy(b.stale_tok, ck.b_stale_tok, sizeof(int64_t) * ck.b.n_stale)
+            b.n_stale = ck.b.n_stale
+            memcpy(b.samp, ck.b_samp, sizeof(Ev) * ck.b.n_samp)
+            b.n_samp = ck.b.n_samp
+        # It joined where the checkpoint's did (its arrival is in the same interval).
+        st.pending_new = False
+        st.join_lo = ck.join_lo
+        st.join_hi = ck.join_hi
+        self.resumed = True
+        return 0
 
     def replay(self, prepared, prompt_tokens, output_len,
                coeffs=(0.0, 0.0, 0.0, 0.0), bint record=False, max_batches=1_000_000,
@@ -1983,6 +2298,13 @@ cdef class Replayer:
         if self._apc is None or type(prepared) is not _replay_apc_c.Prepared:
             raise TypeError(f"prepared state of another replay ({type(prepared).__name__})")
         return self._apc
+
+    @property
+    def last_resumed(self):
+        """Whether the latest :meth:`ttft` started from its prepared state's
+        checkpoint (the state before the new request was first examined, kept
+        by an earlier replay of it) rather than from the snapshot."""
+        return False if self._last_apc else self.resumed
 
     @property
     def last_work(self):

@@ -1,0 +1,209 @@
+"""Resuming a replay from the state kept before the new request was first examined.
+
+The compiled loop keeps, on a prepared snapshot, the state at the top of the
+last loop turn before admission first reached the new request; later ``ttft``
+calls on that snapshot (an arrival joining at the same batch's end, the same
+coefficients and replayer, a horizon past that turn) start there instead of at
+the snapshot (``docs/decision-cost.md``). Checked: every answer equals the
+twin's from the snapshot, whatever mix of requests, horizons, arrivals and
+coefficients follows on one prepared snapshot; it resumes where it should, and
+not where it must not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_horizon_stops import _sized
+from test_replay_property import COEFFS, builtin_policy, custom_policy, workload
+
+from bearsdk.replay import implementations
+from bearsdk.replay.types import MAX_REPLAY_WORK
+from bearsdk.schedulers import BoundScheduler, bind_scheduler, compile_scheduler
+from bearsdk.snapshot import NCOLS
+
+pytestmark = pytest.mark.skipif(
+    "cython" not in implementations(), reason="compiled replay not built"
+)
+
+OTHER_COEFFS = (0.004, 3e-5, 5e-8, 1e-10, 0.0, 1.0)
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _same(got: float, want: float) -> bool:
+    if math.isinf(want):
+        return math.isinf(got)
+    return got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@st.composite
+def _calls(draw: st.DrawFn, span: float) -> list[tuple[int, int, int, float, float, Any]]:
+    """New requests replayed one after another on one prepared snapshot: prompt,
+    output, output cap, horizon, arrival, coefficients (mostly repeated, so that
+    resuming is exercised, sometimes changed, so that it must not be)."""
+    span = span or 1.0
+    arrivals = st.sampled_from([0.0, span * 1e-4, span * 0.2, span * 0.7])
+    usual = draw(arrivals)
+    calls = []
+    for _ in range(draw(st.integers(3, 10))):
+        odd = draw(st.integers(0, 4)) == 0
+        calls.append(
+            (
+                draw(st.integers(1, 3000)),
+                draw(st.integers(1, 300)),
+                draw(st.sampled_from([-1, -1, 1, 7, 300])),
+                draw(st.sampled_from([math.inf, math.inf, span * 0.3, span * 0.9, span * 3])),
+                draw(arrivals) if odd else usual,
+                draw(st.sampled_from([COEFFS, OTHER_COEFFS])) if odd else COEFFS,
+            )
+        )
+    return calls
+
+
+def _check(pol: BoundScheduler, w: dict[str, Any], data: st.DataObject) -> None:
+    """Each call on one prepared snapshot against the same call on a fresh one,
+    with resuming off (the twins' agreement is test_replay_property's)."""
+    pol = _sized(pol, w)
+    c, ref = _compiled(pol), _compiled(pol)
+    ref.resume = False
+    # Its exact per-request path too (every request materialised).
+    c.force_slow = ref.force_slow = data.draw(st.booleans())
+    span = ref.ttft(ref.prepare(w["table"]), w["prompt"], w["out"], COEFFS)
+    calls = data.draw(_calls(span if math.isfinite(span) else 1.0))
+    cp = c.prepare(w["table"])
+    for prompt, out, cap, horizon, arrival, co in calls:
+        want = ref.ttft(ref.prepare(w["table"]), prompt, out, co, cap, None, horizon, arrival)
+        got = c.ttft(cp, prompt, out, co, cap, None, horizon, arrival)
+        if max(c.last_work, ref.last_work) >= MAX_REPLAY_WORK:
+            # Stopped by the work bound, a safety valve: a lower bound either way,
+            # where the count of work units is not the same on both paths.
+            continue
+        assert _same(got, want), (
+            f"policy {pol}\ncall {(prompt, out, cap, horizon, arrival, co)}: "
+            f"resumed {c.last_resumed}: {got}, from the snapshot {want}"
+        )
+
+
+@st.composite
+def queued(draw: st.DrawFn, pol: BoundScheduler) -> dict[str, Any]:
+    """:func:`workload` with a queue ahead of the new request several batches
+    long: where a replay has a state to resume from."""
+    w = draw(workload(pol))
+    mml = pol.max_model_len
+    plim = (mml - 2) if mml else 3000
+    rows = [list(r) for r in w["table"]]
+    for _ in range(draw(st.integers(4, 30))):
+        prompt = draw(st.integers(1, max(1, min(plim, 4 * pol.token_budget))))
+        total = draw(st.integers(1, max(1, min((mml - prompt) if mml else 300, 300))))
+        rows.append([1, prompt, 0, 0, -1 if draw(st.booleans()) else total, total, 0])
+    w["table"] = np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+    return w
+
+
+@pytest.mark.parametrize("name", ["vllm-v1", "sarathi", "prefill-first"])
+@SETTINGS
+@given(data=st.data())
+def test_resumed_replays_equal_the_twins_builtin(name: str, data: st.DataObject) -> None:
+    pol = data.draw(builtin_policy(name))
+    _check(pol, data.draw(queued(pol)), data)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_resumed_replays_equal_the_twins_custom(data: st.DataObject) -> None:
+    pol = data.draw(custom_policy())
+    _check(pol, data.draw(queued(pol)), data)
+
+
+def _deep(waiting: int = 60) -> np.ndarray:
+    """16 decoding requests and a long FCFS queue of prompts ahead of the new one."""
+    rows = [[0, 1000, 1000 + 20 + i, 20 + i, -1, 400, 1] for i in range(16)]
+    rows += [[1, 1500 + 37 * i, 0, 0, -1, 200, 0] for i in range(waiting)]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), NCOLS)
+
+
+def _compiled(pol: BoundScheduler) -> Any:
+    """A compiled replayer of its own (compile_scheduler shares one per policy)."""
+    return implementations()["cython"](pol)
+
+
+def _policy() -> BoundScheduler:
+    return bind_scheduler("vllm-v1", {"max_num_batched_tokens": 2048, "max_num_seqs": 256})
+
+
+def test_a_deep_queue_resumes_from_the_third_replay_on() -> None:
+    pol = _policy()
+    table = _deep()
+    c, ref = _compiled(pol), _compiled(pol)
+    ref.resume = False
+    cp, rp = c.prepare(table), ref.prepare(table)
+    seen = []
+    for prompt in (300, 301, 302, 5000, 1, 777):
+        got = c.ttft(cp, prompt, 50, COEFFS)
+        seen.append(c.last_resumed)
+        assert got == pytest.approx(ref.ttft(rp, prompt, 50, COEFFS), rel=1e-9)
+        assert not ref.last_resumed
+    # The first replay finds where to keep the state, the second keeps it.
+    assert seen == [False, False, True, True, True, True]
+
+
+def test_it_does_not_resume_where_the_answer_could_differ() -> None:
+    pol = _policy()
+    table = _deep()
+    c = _compiled(pol)
+    tw = compile_scheduler(pol, "python")
+    cp = c.prepare(table)
+
+    def check(**kw: Any) -> bool:
+        args = {"prompt_tokens": 300, "output_len": 50, "coeffs": COEFFS, **kw}
+        got = c.ttft(cp, **args)
+        want = tw.ttft(tw.prepare(table), **args)
+        assert _same(got, want), kw
+        return bool(c.last_resumed)
+
+    assert not check()
+    assert not check()
+    assert check()
+    # A horizon inside the batches before the kept state: those batches decide.
+    assert not check(horizon_s=1e-6)
+    # Other coefficients, or an arrival that joins at another batch's end.
+    assert not check(coeffs=OTHER_COEFFS)
+    assert not check(arrival_s=0.05)
+    # ... which replaced the kept state: arrivals joining where that one did resume.
+    assert not check(arrival_s=0.05)
+    assert check(arrival_s=0.0500001)
+    # Another replayer of the same policy, or the same one forced onto its exact path.
+    other = _compiled(pol)
+    other.ttft(cp, 300, 50, COEFFS, arrival_s=0.05)
+    assert not other.last_resumed
+    c.force_slow = True
+    try:
+        assert not check(arrival_s=0.05)
+    finally:
+        c.force_slow = False
+    # Turned off, never.
+    c.resume = False
+    assert not check(arrival_s=0.05)
+    assert not check(arrival_s=0.05)
+
+
+def test_the_kept_state_survives_other_calls_on_the_replayer() -> None:
+    """replay() and residents() on the same replayer, and other snapshots, in between."""
+    pol = _policy()
+    c = _compiled(pol)
+    tw = compile_scheduler(pol, "python")
+    a, b = _deep(60), _deep(20)
+    ca, cb = c.prepare(a), c.prepare(b)
+    for _ in range(2):
+        c.ttft(ca, 300, 50, COEFFS)
+    c.replay(ca, 10, 5, COEFFS, record=True)
+    c.residents(ca, COEFFS, 7)
+    c.ttft(cb, 300, 50, COEFFS)
+    got = c.ttft(ca, 400, 50, COEFFS)
+    assert c.last_resumed
+    assert got == pytest.approx(tw.ttft(tw.prepare(a), 400, 50, COEFFS), rel=1e-9)
