@@ -76,6 +76,7 @@ from bearsdk.router.pricing import (
     Row,
     price,
     price_best_first,
+    price_least_late,
     reprice_lowest,
 )
 from bearsdk.router.prompts import PromptEncoders
@@ -232,6 +233,8 @@ class RouterCore(RouterFeedback):
         self._pruning = PruningMemo()
         # The last decision found nothing on time, every estimate past the horizon.
         self._overloaded = False
+        # The model the latest overload found least late (price_least_late).
+        self._late_model = -1
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._speed = speed
         self._margin = margin
@@ -524,7 +527,13 @@ class RouterCore(RouterFeedback):
         # further out; the lowest TTFT is exact either way); only the cost and
         # the other instances' values differ (exact where they were bounds).
         reach = far if self._overloaded and not explore else horizon
-        rows, sel = choose(reach, best_first)
+        if reach == far and prunes and (want is None or tpot_s == math.inf):
+            # (Its fallback is the lowest TTFT: only that one must be exact.)
+            rows = price_least_late(self, slots, ask, horizon, far, self._late_model)
+            sel = select([c[0] for c in rows])
+            best_first = False
+        else:
+            rows, sel = choose(reach, best_first)
         if (
             reach == horizon
             and horizon != math.inf
@@ -550,6 +559,8 @@ class RouterCore(RouterFeedback):
             and not any(sel.feasible)
             and rows[sel.index][0].ttft_s > horizon
         )
+        if self._overloaded:
+            self._late_model = slots[sel.index].model_index
         index, reason = sel.index, sel.reason
         if explore:
             assert self._explorer is not None

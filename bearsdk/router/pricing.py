@@ -33,6 +33,7 @@ __all__ = [
     "Row",
     "price",
     "price_best_first",
+    "price_least_late",
     "reprice_lowest",
     "tpot_with_arrivals",
     "ttft_arrivals",
@@ -168,20 +169,23 @@ def _price(
     out_rows: list[Row] = []
     if per_model is None:
         per_model = _PerModel(core, ask)
+    # (Locals: read once per call, not once per instance.)
+    expect_arrivals = core.expect_arrivals
+    isfinite, inf, nan = math.isfinite, math.inf, math.nan
     for s in slots:
         acc, out, ptok, cost, utility, p = per_model[s.model_index]
-        keys: list[int]
+        keys: list[int] | None
         if p is None and s.dispatches is None:
-            keys, cached, source, eptok = [], -1, "", ptok
+            keys, cached, source, eptok = None, -1, "", ptok
         else:
             keys, cached, source, eptok = _cached(s, p, ptok, approx)
         est = s.estimators.get(kind)
         if est is None:
             est = core.estimator_for(s, kind)
         # (Only a selector that weighs residents needs them: min() is O(requests there).)
-        tight = min(s.tpot_targets.values(), default=math.inf) if weigh else math.inf
+        tight = min(s.tpot_targets.values(), default=inf) if weigh else inf
         prefix_keys: list[int] | None = None
-        if p is not None and getattr(est, "prefix_aware", False):
+        if keys is not None and p is not None and getattr(est, "prefix_aware", False):
             # With the instance's KV events: its snapshot names blocks by vLLM's
             # hashes, which the index maps the prompt's content keys to.
             prefix_keys = keys if s.kv_index is None else s.kv_index.engine_keys(keys)
@@ -191,8 +195,8 @@ def _price(
         fields = getattr(est, "fields", None)
         if fields is not None:
             # BEA's own form: every option positional, the fields as a tuple.
-            ov = first_token_overhead(s, now)
-            left = max(horizon - ov, MIN_HORIZON_S) if horizon != math.inf else math.inf
+            ov = 0.0 if s.overhead_s <= 0.0 else first_token_overhead(s, now)
+            left = max(horizon - ov, MIN_HORIZON_S) if horizon != inf else inf
             f: LatencyFields = fields(
                 eptok,
                 out,
@@ -209,24 +213,26 @@ def _price(
             )
         ttft, estimator, age, replayed, bound, tpot, itl, itl_base = f
         overhead = ov if replayed else 0.0
-        if next_tokens and (math.isfinite(tpot) or math.isfinite(itl)):
+        if next_tokens and (isfinite(tpot) or isfinite(itl)):
             stretch = tpot_with_arrivals(1.0, s, now)
             tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
         arrivals = 0.0
-        if core.expect_arrivals and math.isfinite(ttft):
+        if expect_arrivals and isfinite(ttft):
             arrivals = ttft_arrivals(ttft, s, now)
         # (The spread is learned on replayed estimates; the others have their own errors.)
         margin = s.margin.value(now) if s.margin is not None and replayed else 1.0
+        config = s.config
+        n = s.inflight
         option = Option(
-            s.name,
-            s.config.model,
+            config.name,
+            config.model,
             acc,
             cost,
             utility,
             (ttft + arrivals + overhead) * margin,
-            s.inflight,
-            s.inflight,
-            math.nan,  # throughput_rps
+            n,
+            n,
+            nan,  # throughput_rps
             tpot,
             itl,
             itl_base,
@@ -423,6 +429,59 @@ def price_best_first(
                 break
     rows = [r for r in got if r is not None]
     return rows, select([r[0] for r in rows])
+
+
+def price_least_late(
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    ask: Ask,
+    horizon: float,
+    far: float,
+    first_model: int,
+) -> list[Row]:
+    """Price an overload, where BEAR takes the lowest TTFT: the likely least late first.
+
+    In an overload (the router's previous decision had no instance on time,
+    and the lowest TTFT past the horizon) the request is priced out to ``far``
+    at once (see :meth:`~bearsdk.router.core.RouterCore.decide`). Only the
+    lowest TTFT needs to be exact then: the instances of ``first_model`` (the
+    model the previous overload chose) are priced to ``far``, and every other
+    instance to ``max(horizon, min(far, best))``, ``best`` the lowest TTFT
+    found among the first. An instance whose TTFT exceeds that is left a lower
+    bound past it (often without a replay: its queue-ahead bound says so), and
+    cannot have the lowest TTFT; an instance within the target's horizon is
+    exact as always, so whether any is on time is still known exactly. The
+    choice is the one pricing every instance to ``far`` makes: a row's TTFT
+    is at least its estimate plus its overhead (margin >= 1, arrivals >= 0),
+    so a lower bound past ``best`` is past it as a row too.
+
+    Args:
+        core: The router.
+        slots: The candidate instances.
+        ask: The request (no tokens to follow: the fallback is on TTFT alone).
+        horizon: The target's horizon.
+        far: The overload's horizon.
+        first_model: The model index whose instances are priced first.
+
+    Returns:
+        The rows in ``slots``' order.
+    """
+    per_model = _PerModel(core, ask)
+    first = [i for i, s in enumerate(slots) if s.model_index == first_model]
+    if not first or len(first) == len(slots):
+        return _price(core, slots, ask, far, per_model)
+    rest = [i for i, s in enumerate(slots) if s.model_index != first_model]
+    got: list[Row | None] = [None] * len(slots)
+    best = math.inf
+    for i, row in zip(
+        first, _price(core, [slots[i] for i in first], ask, far, per_model), strict=True
+    ):
+        got[i] = row
+        best = min(best, row[0].ttft_s)
+    h = max(horizon, min(far, best))
+    for i, row in zip(rest, _price(core, [slots[i] for i in rest], ask, h, per_model), strict=True):
+        got[i] = row
+    return [r for r in got if r is not None]
 
 
 def reprice_lowest(

@@ -184,6 +184,11 @@ class InstanceState:
     _switches: int = attrs.field(init=False, default=0)
     _ff_errors: int = attrs.field(init=False, default=0)
     _overlay_refused: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
+    # The kept fast-forwarded view's entry, key and rules: while all three hold,
+    # an estimate needs none of _prepared's checks (see _kept).
+    _hot: tuple[CachedSnapshot, tuple[int, int, bool], StalenessRules] | None = attrs.field(
+        init=False, default=None
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.cache.estimator is None:
@@ -392,7 +397,8 @@ class InstanceState:
         fallback estimates."""
         now = self.cache.clock() if now is None else now
         entry = self.cache.entry
-        age = math.inf if entry is None else entry.age(now)
+        # (CachedSnapshot.age, inlined.)
+        age = math.inf if entry is None else max(0.0, now - entry.captured)
         if entry is None or (
             age > self.rules.fallback_after_s
             and self.fallback is not None
@@ -419,7 +425,21 @@ class InstanceState:
                     # (Most estimates keep their mode: no call to log a switch.)
                     return got if self._mode == "bound" else self._set(got, now)
                 checked = base
-        prep, mode, pending, elapsed = self._prepared(entry, now, age)
+        hot, kept = self._hot, self._view
+        dt = now - self._view_at
+        if (
+            hot is not None
+            and kept is not None
+            and hot[0] is entry
+            and self._view_key is hot[1]
+            and hot[1][1] == self._overlay.version
+            and hot[2] is self.rules
+            and 0.0 <= dt <= self._view_until
+        ):
+            # The kept fast-forwarded view, as _prepared would find it.
+            prep, mode, pending, elapsed = kept, "fast-forward", self._view_pending, dt
+        else:
+            prep, mode, pending, elapsed = self._prepared(entry, now, age)
         if next_tokens > 0:
             e = est.estimate(
                 prep,
@@ -586,6 +606,7 @@ class InstanceState:
             # arrives dt after it): exact for as long as fast-forwarding would
             # have done the same (see _forwarded's end).
             if 0.0 <= dt <= self._view_until:
+                self._hot = (entry, self._view_key, self.rules)
                 return view, dt
         try:
             if self._ff is None or self._ff_version != entry.version:
@@ -622,4 +643,5 @@ class InstanceState:
         self._view_until = max(
             inflight, min(self.rules.refresh_s, inflight + self._ff.exact_for(snap, b0))
         )
+        self._hot = (entry, key, self.rules)
         return self._view, 0.0
