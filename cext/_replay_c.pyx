@@ -1673,6 +1673,35 @@ cdef int ev_cmp(const void* x, const void* y) noexcept nogil:
 # Python-facing classes
 # ---------------------------------------------------------------------------
 
+cdef inline void new_epoch(State* st, Req* src) noexcept nogil:
+    """Every request is copied from ``src`` on its first touch from here on."""
+    st.src = src
+    st.cur += 1
+    if st.cur == 0x7fffffff:
+        memset(st.epoch, 0, sizeof(int32_t) * st.cap)
+        st.cur = 1
+
+
+cdef inline void load_lists(State* st, const int32_t* ro, int64_t ro_n, int64_t n_running,
+                            const int32_t* ex, int64_t n_ex, const int32_t* wq, int64_t wq_n,
+                            const int64_t* hist, int64_t n_lazy, int64_t s_base,
+                            int64_t n_grow) noexcept nogil:
+    """The running order, the prefilling and waiting lists and the decode
+    aggregate, from a prepared snapshot or a checkpoint."""
+    memcpy(st.ro, ro, sizeof(int32_t) * ro_n)
+    st.ro_n = ro_n
+    st.n_running = n_running
+    memcpy(st.ex, ex, sizeof(int32_t) * n_ex)
+    st.n_ex = n_ex
+    memcpy(st.wq, wq, sizeof(int32_t) * wq_n)
+    st.wq_head = 0
+    st.wq_n = wq_n
+    memcpy(st.hist, hist, sizeof(int64_t) * st.P.bs)
+    st.n_lazy = n_lazy
+    st.s_base = s_base
+    st.n_grow = n_grow
+
+
 cdef class Prepared:
     """A snapshot's requests, ready to replay with one compiled policy.
 
@@ -2039,23 +2068,9 @@ cdef class Replayer:
         cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
         self._ensure(pr.n + 1)
         read_coeffs(&st.c, coeffs)
-        st.src = pr.r
-        st.cur += 1
-        if st.cur == 0x7fffffff:
-            memset(st.epoch, 0, sizeof(int32_t) * st.cap)
-            st.cur = 1
-        memcpy(st.ro, pr.ro, sizeof(int32_t) * pr.ro_n)
-        st.ro_n = pr.ro_n
-        st.n_running = pr.ro_n
-        memcpy(st.ex, pr.ex, sizeof(int32_t) * pr.n_ex)
-        st.n_ex = pr.n_ex
-        memcpy(st.wq, pr.wq, sizeof(int32_t) * pr.wq_n)
-        st.wq_head = 0
-        st.wq_n = pr.wq_n
-        memcpy(st.hist, pr.hist, sizeof(int64_t) * self.P.bs)
-        st.n_lazy = pr.n_lazy
-        st.s_base = pr.s_base
-        st.n_grow = pr.n_grow
+        new_epoch(st, pr.r)
+        load_lists(st, pr.ro, pr.ro_n, pr.ro_n, pr.ex, pr.n_ex, pr.wq, pr.wq_n, pr.hist,
+                   pr.n_lazy, pr.s_base, pr.n_grow)
         st.leave.sorted_ = pr.leave
         st.leave.n_sorted = pr.n_leave
         st.leave.pos = 0
@@ -2131,24 +2146,41 @@ cdef class Replayer:
         cdef Prepared pr = prepared
         self._start(pr, prompt_tokens, output_len, max_tokens, coeffs, False, arrival)
         cdef State* st = &self.st
-        cdef Checkpoint* ck = &pr.ck
         st.horizon = horizon
+        cdef bint same = self._resume_or_keep(pr, arrival)
+        cdef int rc
+        with nogil:
+            rc = run_dispatch(self.code, st, 1_000_000)
+        self._locate(pr, same)
+        # At the work bound: the time replayed so far, a lower bound (as replay()).
+        return st.t if rc != R_NEVER else INFINITY
+
+    cdef bint _resume_or_keep(self, Prepared pr, double arrival) except? -1:
+        """Before a replay that _start set up (its horizon set): resume from
+        ``pr``'s checkpoint where it holds, or have the run keep it there.
+
+        Returns whether the checkpoint's terms are this replay's.
+        """
+        cdef State* st = &self.st
+        cdef Checkpoint* ck = &pr.ck
         cdef bint same = (
             self.resume and ck.status != CK_NONE and ck.owner == self.serial
             and ck.join_lo < arrival <= ck.join_hi and ck.force_slow == self.force_slow
             and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
-        if same and ck.status == CK_TAKEN and ck.t <= horizon:
+        if same and ck.status == CK_TAKEN and ck.t <= st.horizon:
             self._resume(pr)
         elif same and ck.status == CK_LOCATED:
             st.ck = ck
             st.ck_take = True
-        cdef int rc
-        with nogil:
-            rc = run_dispatch(self.code, st, 1_000_000)
+        return same
+
+    cdef void _locate(self, Prepared pr, bint same):
+        """After the replay: a first look at ``pr`` (or with other terms) that
+        examined the new request says where a later replay keeps its state."""
+        cdef State* st = &self.st
+        cdef Checkpoint* ck = &pr.ck
         if (self.resume and st.new_seen and st.top_step >= CK_MIN_STEP and st.join_hi >= 0.0
                 and not self.resumed and not same):
-            # A first look at this state (or with other terms): where a replay
-            # of it will keep the state to resume from.
             ck.status = CK_LOCATED
             ck.step = st.top_step
             ck.join_lo = st.join_lo
@@ -2156,8 +2188,6 @@ cdef class Replayer:
             ck.c = st.c
             ck.owner = self.serial
             ck.force_slow = self.force_slow
-        # At the work bound: the time replayed so far, a lower bound (as replay()).
-        return st.t if rc != R_NEVER else INFINITY
 
     cdef int _resume(self, Prepared pr) except -1:
         """Start the replay that _start set up from ``pr``'s checkpoint instead.
@@ -2170,25 +2200,11 @@ cdef class Replayer:
         cdef Checkpoint* ck = &pr.ck
         cdef Req fresh = st.r[st.new_slot]
         cdef Batch* b
-        st.src = ck.r
-        st.cur += 1
-        if st.cur == 0x7fffffff:
-            memset(st.epoch, 0, sizeof(int32_t) * st.cap)
-            st.cur = 1
+        new_epoch(st, ck.r)
         st.r[st.new_slot] = fresh
         st.epoch[st.new_slot] = st.cur
-        memcpy(st.ro, ck.ro, sizeof(int32_t) * ck.ro_n)
-        st.ro_n = ck.ro_n
-        st.n_running = ck.n_running
-        memcpy(st.ex, ck.ex, sizeof(int32_t) * ck.n_ex)
-        st.n_ex = ck.n_ex
-        memcpy(st.wq, ck.wq, sizeof(int32_t) * ck.wq_n)
-        st.wq_head = 0
-        st.wq_n = ck.wq_n
-        memcpy(st.hist, ck.hist, sizeof(int64_t) * self.P.bs)
-        st.n_lazy = ck.n_lazy
-        st.s_base = ck.s_base
-        st.n_grow = ck.n_grow
+        load_lists(st, ck.ro, ck.ro_n, ck.n_running, ck.ex, ck.n_ex, ck.wq, ck.wq_n, ck.hist,
+                   ck.n_lazy, ck.s_base, ck.n_grow)
         mem_reserve(<void**>&st.leave.heap, &st.leave.cap_heap, ck.n_leave_heap, 16, sizeof(Ev))
         mem_reserve(<void**>&st.release.heap, &st.release.cap_heap, ck.n_release_heap, 16,
                     sizeof(Ev))
@@ -2264,9 +2280,16 @@ cdef class Replayer:
                     follow)
         self.st.max_work = work
         self.st.horizon = horizon
+        # Resuming needs the batches before the kept state unrecorded and the
+        # bounds ttft() replays under (they cut those batches alike).
+        cdef bint resumable = (not record and limit == 1_000_000
+                               and work == MAX_REPLAY_WORK_C)
+        cdef bint same = resumable and self._resume_or_keep(prepared, arrival)
         cdef int rc
         with nogil:
             rc = run_dispatch(self.code, &self.st, limit)
+        if resumable:
+            self._locate(prepared, same)
         batches = None
         if record:
             batches = tuple(self._records())
@@ -2301,9 +2324,11 @@ cdef class Replayer:
 
     @property
     def last_resumed(self):
-        """Whether the latest :meth:`ttft` started from its prepared state's
-        checkpoint (the state before the new request was first examined, kept
-        by an earlier replay of it) rather than from the snapshot."""
+        """Whether the latest :meth:`ttft` or :meth:`replay` started from its
+        prepared state's checkpoint (the state before the new request was first
+        examined, kept by an earlier replay of it) rather than from the
+        snapshot. :meth:`replay` resumes only unrecorded, with its default
+        ``max_batches`` and ``max_work``."""
         return False if self._last_apc else self.resumed
 
     @property

@@ -76,7 +76,24 @@ def _check(pol: BoundScheduler, w: dict[str, Any], data: st.DataObject) -> None:
     span = ref.ttft(ref.prepare(w["table"]), w["prompt"], w["out"], COEFFS)
     calls = data.draw(_calls(span if math.isfinite(span) else 1.0))
     cp = c.prepare(w["table"])
-    for prompt, out, cap, horizon, arrival, co in calls:
+    follow = w["follow"]
+    for k, (prompt, out, cap, horizon, arrival, co) in enumerate(calls):
+        where = f"policy {pol}\ncall {(prompt, out, cap, horizon, arrival, co)}"
+        if k % 3 == 2:
+            # replay() resumes too (unrecorded), following tokens past the first.
+            args = (prompt, out, co)
+            kw = {"max_tokens": cap, "horizon_s": horizon, "arrival_s": arrival}
+            r = ref.replay(ref.prepare(w["table"]), *args, next_tokens=follow, **kw)
+            g = c.replay(cp, *args, next_tokens=follow, **kw)
+            if max(c.last_work, ref.last_work) >= MAX_REPLAY_WORK:
+                continue
+            where += f" following {follow}: resumed {c.last_resumed}"
+            assert g.stop_reason == r.stop_reason, where
+            assert g.first_token_batch == r.first_token_batch, where
+            assert _same(g.ttft_s, r.ttft_s), where
+            assert g.token_batches == r.token_batches, where
+            assert g.token_times_s == pytest.approx(r.token_times_s, rel=1e-9, abs=1e-12), where
+            continue
         want = ref.ttft(ref.prepare(w["table"]), prompt, out, co, cap, None, horizon, arrival)
         got = c.ttft(cp, prompt, out, co, cap, None, horizon, arrival)
         if max(c.last_work, ref.last_work) >= MAX_REPLAY_WORK:
@@ -84,8 +101,7 @@ def _check(pol: BoundScheduler, w: dict[str, Any], data: st.DataObject) -> None:
             # where the count of work units is not the same on both paths.
             continue
         assert _same(got, want), (
-            f"policy {pol}\ncall {(prompt, out, cap, horizon, arrival, co)}: "
-            f"resumed {c.last_resumed}: {got}, from the snapshot {want}"
+            f"{where}: resumed {c.last_resumed}: {got}, from the snapshot {want}"
         )
 
 
@@ -150,6 +166,14 @@ def test_a_deep_queue_resumes_from_the_third_replay_on() -> None:
         assert not ref.last_resumed
     # The first replay finds where to keep the state, the second keeps it.
     assert seen == [False, False, True, True, True, True]
+    # replay() resumes from it too, following tokens; recorded, it does not.
+    got = c.replay(cp, 400, 50, COEFFS, next_tokens=8)
+    assert c.last_resumed
+    want = ref.replay(rp, 400, 50, COEFFS, next_tokens=8)
+    assert got.token_times_s == pytest.approx(want.token_times_s, rel=1e-9)
+    assert got.token_batches == want.token_batches
+    c.replay(cp, 400, 50, COEFFS, record=True)
+    assert not c.last_resumed
 
 
 def test_it_does_not_resume_where_the_answer_could_differ() -> None:
