@@ -289,11 +289,17 @@ def _main(args: argparse.Namespace) -> int:
     )
     for name, e in report["prefix_caching"].items():
         print(f"{name}  {e['description']}")
-        for label in ("cython", "cython_counted", "python", "python_counted"):
+        for label in (
+            "cython",
+            "cython_counted",
+            "cython_counted_resumed",
+            "python",
+            "python_counted",
+        ):
             if label in e:
                 x = e[label]
                 print(
-                    f"    {label:15s} p50 {x['median_us']:>10.3f} p99 {x['p99_us']:>10.3f}"
+                    f"    {label:22s} p50 {x['median_us']:>10.3f} p99 {x['p99_us']:>10.3f}"
                     f"  ttft {x['ttft_ms']:>9.2f} ms  batch {x['first_token_batch']}"
                 )
         for impl in ("cython", "python"):

@@ -32,7 +32,7 @@ from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.replay import implementations
 from bearsdk.replay.blocks import chain_keys
 from bearsdk.replay.scheduler import SchedulerCore
-from bearsdk.schedulers import bind_scheduler, compile_scheduler
+from bearsdk.schedulers import bind_scheduler
 from bearsdk.snapshot import Snapshot, snapshot_from_dict
 
 __all__ = ["APC_SCENARIOS", "ApcScenario", "build_apc_scenarios", "run_apc"]
@@ -134,11 +134,18 @@ def build_apc_scenarios() -> list[ApcScenario]:
 
 
 def _calls(sc: ApcScenario) -> dict[str, tuple[Callable[[], float], int]]:
-    """The timed calls: with the blocks and counted, in each twin."""
+    """The timed calls: with the blocks and counted, in each twin, replayed from
+    the snapshot; and the compiled counted call resumed as the router repeats it
+    (the block-level loop does not resume: ``docs/decision-cost.md``)."""
     pol = bind_scheduler("vllm-v1", PARAMS)
     out: dict[str, tuple[Callable[[], float], int]] = {}
-    for impl in implementations():
-        rp = compile_scheduler(pol, impl)
+    for impl, factory in implementations().items():
+        # Replayers of their own (compile_scheduler shares one per policy).
+        rp = factory(pol)
+        if hasattr(rp, "resume"):
+            rp.resume = False
+            resumed = factory(pol)
+            out[f"{impl}_counted_resumed"] = _call(resumed, sc, blocks=False)
         out[impl] = _call(rp, sc, blocks=True)
         out[f"{impl}_counted"] = _call(rp, sc, blocks=False)
     return out
