@@ -9,6 +9,7 @@
 
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, realloc
+from libc.string cimport memcpy
 
 # Allocation sizes are capped well below SIZE_MAX: 2**62 bytes is more than any
 # machine has, and keeping n * itemsize under it leaves room for the callers'
@@ -82,4 +83,24 @@ cdef inline int mem_reserve(void** block, int64_t* cap, int64_t need, int64_t mi
         new_cap = minimum
     mem_resize(block, new_cap, itemsize)
     cap[0] = new_cap
+    return 0
+
+
+cdef inline int mem_try_reserve(void** block, int64_t* cap, int64_t n, size_t itemsize) noexcept nogil:
+    """Room for n items in *block (capacity *cap, grown to exactly n); -1, nothing
+    raised and nothing changed, when memory runs out."""
+    if n > cap[0]:
+        if mem_try_resize(block, n, itemsize) < 0:
+            return -1
+        cap[0] = n
+    return 0
+
+
+cdef inline int mem_try_copy(void** block, int64_t* cap, const void* src, int64_t n,
+                             size_t itemsize) noexcept nogil:
+    """n items of src into *block (mem_try_reserve, then a copy); -1 as it."""
+    if mem_try_reserve(block, cap, n, itemsize) < 0:
+        return -1
+    if n > 0:
+        memcpy(block[0], src, <size_t>n * itemsize)
     return 0

@@ -28,12 +28,12 @@
 
 from libc.stdint cimport INT64_MIN, int8_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from _mem cimport mem_alloc, mem_reserve, mem_resize
+from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_copy, mem_try_reserve
 from _pyint cimport int_in, is_key
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
@@ -169,6 +169,83 @@ ctypedef struct Batch:
     int64_t admitted
     int64_t preempted
 
+ctypedef struct Ack:
+    # Where a replay may resume: the state at the top of the last loop turn
+    # before the new request was first examined (see take_checkpoint). The
+    # pool's records are materialised: the blocks named so far, the runs, the
+    # content map merged with the replay's overlay, and the block and key
+    # lists appended to the prepared blobs (so the requests' copies read them
+    # from there).
+    int status          # CK_NONE, CK_LOCATED (turn known) or CK_TAKEN (state held)
+    int64_t turn
+    double join_lo      # the arrivals it holds for: (join_lo, join_hi]
+    double join_hi
+    Coeffs c
+    int64_t owner       # the replayer's serial
+    double t
+    Rq* r
+    int64_t cap_r
+    int64_t n_r
+    int32_t* run
+    int64_t cap_run
+    int64_t n_run
+    int32_t* wq
+    int64_t cap_wq
+    int64_t wq_n
+    Blk* bl
+    int64_t cap_bl
+    int64_t nb
+    Run* runs
+    int64_t cap_runs
+    int64_t nruns
+    int32_t fq_head
+    int32_t fq_tail
+    int64_t n_free
+    HEnt* ht
+    int64_t cap_ht
+    int64_t ht_mask
+    int32_t* bb
+    int64_t cap_bb
+    int64_t* kb
+    int64_t cap_kb
+    int64_t serial_key
+    int64_t forgets
+    int64_t serial
+    int64_t k
+    int64_t work
+    int64_t vt
+    int64_t vt_done
+    int64_t n_lazy
+    int64_t s_base
+    int64_t ord_next
+    int64_t lazy_batches
+    bint materialized
+    bint fold_ok
+    bint bk_dirty
+    int64_t ring_n      # 0 or 1 at a turn's top (the batch in flight, async)
+    Batch b             # its scalars (the arrays below hold its lists)
+    int32_t* b_ent_s
+    int64_t cap_b_ent_s
+    int64_t* b_ent_n
+    int64_t cap_b_ent_n
+    int32_t* b_samp
+    int64_t cap_b_samp
+    int64_t* b_got
+    int64_t cap_b_got
+    int32_t* bk_s       # every bucket's lazies, bucket after bucket
+    int64_t cap_bk_s
+    int64_t* bk_n       # ... and how many each holds
+    int64_t cap_bk_n
+    Ev* leave
+    int64_t cap_leave
+    int64_t n_leave
+    Ev* rel
+    int64_t cap_rel
+    int64_t n_rel
+    int32_t* ex
+    int64_t cap_ex
+    int64_t n_ex
+
 ctypedef struct St:
     Params* P
     # requests (copied on first touch)
@@ -272,6 +349,17 @@ ctypedef struct St:
     int64_t cap_grant
     int32_t* fin        # requests finishing in the batch being processed
     int64_t cap_fin
+    # resuming (see take_checkpoint)
+    Ack* ck             # the prepared state's checkpoint, or NULL
+    bint ck_take        # take it at the top of turn ck.turn
+    int64_t turn        # loop turns so far
+    int64_t top_turn    # the last turn's top before the new request was examined
+    int64_t top_work    # ... and the work done by then
+    double t_before     # when the latest batch started
+    double join_lo      # the arrivals that join where the new request joined:
+    double join_hi      #   (join_lo, join_hi]; join_hi < 0 once it joined an idle engine
+    int64_t n_bb        # the prepared blobs' lengths (the checkpoint appends to copies)
+    int64_t n_kb
 
 
 # ---------------------------------------------------------------------------
@@ -1476,6 +1564,171 @@ cdef int log_batch(St* st, Batch* b, double dt) except -1 nogil:
     return 0
 
 
+# ---------------------------------------------------------------------------
+# Resuming: a replay's state before it first examined the new request
+# ---------------------------------------------------------------------------
+
+cdef enum:
+    CK_NONE = 0
+    CK_LOCATED = 1
+    CK_TAKEN = 2
+    # A turn this early saves less than taking its state costs.
+    CK_MIN_TURN = 4
+    # Nor does one whose work so far is small beside the pool it copies: a
+    # work unit (a request in a batch) costs about this many copied records.
+    CK_WORK_PER_RECORD = 16
+
+
+cdef inline void ht_put(HEnt* ht, int64_t mask, int64_t k, int32_t h) noexcept nogil:
+    cdef int64_t i = <int64_t>(mix(k) & <uint64_t>mask)
+    while ht[i].head != NIL:
+        i = (i + 1) & mask
+    ht[i].key = k
+    ht[i].head = h
+
+
+cdef int merge_map(St* st, Ack* ck) noexcept nogil:
+    """The content map as the replay has it now (the prepared table, the
+    overlay's changes on top), as one table in ck; -1 out of memory."""
+    cdef int64_t i, n = st.ov_n, cap = 8
+    cdef OEnt* e
+    if st.ht != NULL:
+        for i in range(st.ht_mask + 1):
+            n += st.ht[i].head != NIL
+    while cap < 2 * n + 2:
+        cap *= 2
+    if mem_try_reserve(<void**>&ck.ht, &ck.cap_ht, cap, sizeof(HEnt)) < 0:
+        return -1
+    memset(ck.ht, 0xff, sizeof(HEnt) * cap)  # head NIL: empty
+    ck.ht_mask = cap - 1
+    if st.ht != NULL:
+        for i in range(st.ht_mask + 1):
+            if st.ht[i].head == NIL:
+                continue
+            if st.ov_n:
+                e = ov_find(st, st.ht[i].key)
+                if e.epoch == st.cur:
+                    continue  # changed in this replay: the overlay's entry below
+            ht_put(ck.ht, ck.ht_mask, st.ht[i].key, st.ht[i].head)
+    if st.ov_n:
+        for i in range(st.ov_mask + 1):
+            if st.ov[i].epoch == st.cur and st.ov[i].head != NIL:
+                ht_put(ck.ht, ck.ht_mask, st.ov[i].key, st.ov[i].head)
+    return 0
+
+
+cdef void take_checkpoint(St* st) noexcept nogil:
+    """Keep the state at this turn's top in ``st.ck``, for later replays to resume from.
+
+    As in the counted loop (``_replay_c.take_checkpoint``): until admission
+    first reaches the new request, nothing it carries, its keys included, has
+    changed a batch or a block. Every record is materialised and the block and
+    key lists grown in this replay are appended to copies of the prepared
+    blobs, so a resumed replay reads everything from the checkpoint as a first
+    replay reads it from the prepared snapshot. Out of memory, nothing is kept.
+    """
+    cdef Ack* ck = st.ck
+    cdef int64_t i, n = st.new_slot + 1, total
+    cdef Rq* q
+    cdef Batch* b
+    ck.status = CK_NONE
+    if mem_try_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Rq)) < 0:
+        return
+    for i in range(n):
+        if st.rep[i] == st.cur:
+            ck.r[i] = st.r[i]
+        q = &ck.r[i]
+        if q.blk_own:
+            q.blk_off += st.n_bb
+            q.blk_own = 0
+        if q.key_own:
+            q.key_off += st.n_kb
+            q.key_own = 0
+    if mem_try_copy(<void**>&ck.run, &ck.cap_run, st.run, st.n_run, sizeof(int32_t)) < 0:
+        return
+    if mem_try_reserve(<void**>&ck.wq, &ck.cap_wq, st.wq_n, sizeof(int32_t)) < 0:
+        return
+    for i in range(st.wq_n):
+        ck.wq[i] = wq_at(st, i)
+    if mem_try_reserve(<void**>&ck.bl, &ck.cap_bl, st.nb, sizeof(Blk)) < 0:
+        return
+    for i in range(st.nb):
+        ck.bl[i] = st.src_bl[i] if i < st.nb0 and st.bep[i] != st.cur else st.bl[i]
+    if mem_try_reserve(<void**>&ck.runs, &ck.cap_runs, st.nruns, sizeof(Run)) < 0:
+        return
+    for i in range(st.nruns):
+        ck.runs[i] = st.src_runs[i] if st.rnep[i] != st.cur else st.runs[i]
+    if merge_map(st, ck) < 0:
+        return
+    if mem_try_reserve(<void**>&ck.bb, &ck.cap_bb, st.n_bb + st.ab_n, sizeof(int32_t)) < 0:
+        return
+    memcpy(ck.bb, st.pbb, sizeof(int32_t) * st.n_bb)
+    memcpy(ck.bb + st.n_bb, st.ab, sizeof(int32_t) * st.ab_n)
+    if mem_try_reserve(<void**>&ck.kb, &ck.cap_kb, st.n_kb + st.ak_n, sizeof(int64_t)) < 0:
+        return
+    memcpy(ck.kb, st.pkb, sizeof(int64_t) * st.n_kb)
+    memcpy(ck.kb + st.n_kb, st.ak, sizeof(int64_t) * st.ak_n)
+    if st.ring_n > 1:
+        return  # (a turn's top holds at most the batch in flight)
+    if st.ring_n == 1:
+        b = &st.ring[st.ring_head]
+        if (mem_try_copy(<void**>&ck.b_ent_s, &ck.cap_b_ent_s, b.ent_s, b.n_ent,
+                         sizeof(int32_t)) < 0
+                or mem_try_copy(<void**>&ck.b_ent_n, &ck.cap_b_ent_n, b.ent_n, b.n_ent,
+                                sizeof(int64_t)) < 0
+                or mem_try_copy(<void**>&ck.b_samp, &ck.cap_b_samp, b.samp, b.n_samp,
+                                sizeof(int32_t)) < 0
+                or mem_try_copy(<void**>&ck.b_got, &ck.cap_b_got, b.got, b.n_samp,
+                                sizeof(int64_t)) < 0):
+            return
+        ck.b = b[0]
+    total = 0
+    for i in range(st.P.bs):
+        total += st.bk[i].n
+    if (mem_try_reserve(<void**>&ck.bk_s, &ck.cap_bk_s, total, sizeof(int32_t)) < 0
+            or mem_try_reserve(<void**>&ck.bk_n, &ck.cap_bk_n, st.P.bs, sizeof(int64_t)) < 0):
+        return
+    total = 0
+    for i in range(st.P.bs):
+        ck.bk_n[i] = st.bk[i].n
+        memcpy(ck.bk_s + total, st.bk[i].s, sizeof(int32_t) * st.bk[i].n)
+        total += st.bk[i].n
+    if mem_try_copy(<void**>&ck.leave, &ck.cap_leave, st.leave.e, st.leave.n, sizeof(Ev)) < 0:
+        return
+    if mem_try_copy(<void**>&ck.rel, &ck.cap_rel, st.rel.e, st.rel.n, sizeof(Ev)) < 0:
+        return
+    if mem_try_copy(<void**>&ck.ex, &ck.cap_ex, st.ex, st.n_ex, sizeof(int32_t)) < 0:
+        return
+    ck.n_r = n
+    ck.n_run = st.n_run
+    ck.wq_n = st.wq_n
+    ck.nb = st.nb
+    ck.nruns = st.nruns
+    ck.fq_head = st.fq_head
+    ck.fq_tail = st.fq_tail
+    ck.n_free = st.n_free
+    ck.serial_key = st.serial_key
+    ck.forgets = st.forgets
+    ck.ring_n = st.ring_n
+    ck.serial = st.serial
+    ck.k = st.k
+    ck.work = st.work
+    ck.t = st.t
+    ck.vt = st.vt
+    ck.vt_done = st.vt_done
+    ck.n_lazy = st.n_lazy
+    ck.s_base = st.s_base
+    ck.ord_next = st.ord_next
+    ck.lazy_batches = st.lazy_batches
+    ck.materialized = st.materialized
+    ck.fold_ok = st.fold_ok
+    ck.bk_dirty = st.bk_dirty
+    ck.n_leave = st.leave.n
+    ck.n_rel = st.rel.n
+    ck.n_ex = st.n_ex
+    ck.status = CK_TAKEN
+
+
 cdef int go(St* st, int64_t max_batches) except -1 nogil:
     cdef Batch* b
     cdef Batch* q
@@ -1486,6 +1739,15 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
         if st.pending_new and st.t >= st.arrival:
             wq_push_back(st, st.new_slot)
             st.pending_new = False
+            st.join_lo = st.t_before
+            st.join_hi = st.t
+        if not st.new_seen and not st.pending_new:
+            if st.ck_take and st.turn == st.ck.turn:
+                st.ck_take = False
+                take_checkpoint(st)
+            st.top_turn = st.turn
+            st.top_work = st.work
+        st.turn += 1
         b = ring_new(st)
         schedule(st, b)
         st.work += 1 + st.n_run + b.nlive
@@ -1493,6 +1755,7 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
             st.k += 1
             dt = (st.c.b0 + st.c.b1 * fmax(<double>(b.pre + b.dec), st.c.tau)
                   + st.c.b2 * <double>b.dctx + st.c.b2s * <double>b.dec + st.c.b3 * <double>b.patt)
+            st.t_before = st.t
             st.t += dt
             if st.record:
                 log_batch(st, b, dt)
@@ -1523,6 +1786,7 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                 st.t = st.arrival
                 wq_push_back(st, st.new_slot)
                 st.pending_new = False
+                st.join_hi = -1.0  # (the batches from here start at its arrival)
         if (b.nlive and st.k >= max_batches) or st.work >= st.max_work:
             return R_FIRST_TOKEN if st.n_tok else R_LIMIT
         if st.ring_n < st.P.depth:
@@ -1610,8 +1874,29 @@ cdef class Prepared:
     cdef bint has_inflight
     cdef object ids
     cdef object policy
+    cdef int64_t n_bb       # the blobs' lengths
+    cdef int64_t n_kb
+    cdef Ack ck             # where replays of it may resume (take_checkpoint)
 
     def __dealloc__(self):
+        cdef Ack* ck = &self.ck
+        free(ck.r)
+        free(ck.run)
+        free(ck.wq)
+        free(ck.bl)
+        free(ck.runs)
+        free(ck.ht)
+        free(ck.bb)
+        free(ck.kb)
+        free(ck.b_ent_s)
+        free(ck.b_ent_n)
+        free(ck.b_samp)
+        free(ck.b_got)
+        free(ck.bk_s)
+        free(ck.bk_n)
+        free(ck.leave)
+        free(ck.rel)
+        free(ck.ex)
         free(self.r)
         free(self.run)
         free(self.wq)
@@ -1665,12 +1950,18 @@ cdef St _pool_state(Prepared pr):
     return st
 
 
+cdef int64_t _serials = 0
+
+
 cdef class Replayer:
     """Compiled prefix-caching replay of one bound policy (``kv.prefix_caching``)."""
 
     cdef Params P
     cdef St st
     cdef readonly object policy
+    cdef public bint resume
+    cdef int64_t serial     # names it in the checkpoints it takes
+    cdef bint resumed
     implementation = IMPLEMENTATION
 
     def __cinit__(self):
@@ -1683,6 +1974,10 @@ cdef class Replayer:
         if policy.allocate != "on-demand":
             raise ValueError(f"policy {policy.name!r}: prefix caching needs on-demand allocation")
         self.policy = policy
+        self.resume = True
+        global _serials
+        _serials += 1
+        self.serial = _serials
         p = policy
         read_policy(&self.P, p)
         self.st.P = &self.P
@@ -1796,6 +2091,8 @@ cdef class Replayer:
         pr.b0_got = <int64_t*>mem_alloc(n + 1, sizeof(int64_t))
         pr.bb = <int32_t*>mem_alloc(total_b, sizeof(int32_t))
         pr.kb = <int64_t*>mem_alloc(total_k, sizeof(int64_t))
+        pr.n_bb = total_b
+        pr.n_kb = total_k
         pr.bl = <Blk*>mem_alloc(nb, sizeof(Blk))
         pr.nb = nb
         pr.n_run = pr.wq_n = pr.n_b0 = 0
@@ -2065,6 +2362,15 @@ cdef class Replayer:
         st.record = record
         st.n_log = 0
         st.n_tlog = 0
+        st.n_bb = pr.n_bb
+        st.n_kb = pr.n_kb
+        st.ck = NULL
+        st.ck_take = False
+        st.turn = 0
+        st.top_turn = -1
+        st.t_before = -1.0
+        st.join_hi = -1.0
+        self.resumed = False
         # The new request joins the end of the waiting queue with its keys.
         st.new_slot = <int32_t>pr.n
         st.new_seen = False
@@ -2122,9 +2428,11 @@ cdef class Replayer:
         self._start(prepared, prompt_tokens, output_len, max_tokens, coeffs, False, prefix_keys,
                     arrival)
         self.st.horizon = horizon
+        cdef bint same = self._resume_or_keep(prepared, arrival)
         cdef int rc
         with nogil:
             rc = go(&self.st, 1_000_000)
+        self._locate(prepared, same)
         if rc == R_NEVER:
             return INFINITY
         return self.st.tok_t[0] if rc == R_FIRST_TOKEN else self.st.t
@@ -2148,9 +2456,15 @@ cdef class Replayer:
                     arrival, follow)
         self.st.max_work = work
         self.st.horizon = horizon
+        # Resuming needs the batches before the kept state unrecorded and the
+        # bounds ttft() replays under.
+        cdef bint resumable = not record and limit == 1_000_000 and work == MAX_WORK
+        cdef bint same = resumable and self._resume_or_keep(prepared, arrival)
         cdef int rc
         with nogil:
             rc = go(&self.st, limit)
+        if resumable:
+            self._locate(prepared, same)
         batches = tuple(self._records(prepared)) if record else None
         cdef St* st = &self.st
         if rc == R_FIRST_TOKEN:
@@ -2173,6 +2487,163 @@ cdef class Replayer:
             with nogil:
                 rc = go(&self.st, limit)
         return self.st.k, self.st.t
+
+    cdef bint _resume_or_keep(self, Prepared pr, double arrival) except? -1:
+        """Before a replay that _start set up (its horizon set): resume from
+        ``pr``'s checkpoint where it holds, or have the run keep it there
+        (the counted loop's rule, ``_replay_c``). Returns whether the
+        checkpoint's terms are this replay's."""
+        cdef St* st = &self.st
+        cdef Ack* ck = &pr.ck
+        cdef bint same = (
+            self.resume and ck.status != CK_NONE and ck.owner == self.serial
+            and ck.join_lo < arrival <= ck.join_hi
+            and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
+        if same and ck.status == CK_TAKEN and ck.t <= st.horizon:
+            self._resume(pr)
+        elif same and ck.status == CK_LOCATED:
+            st.ck = ck
+            st.ck_take = True
+        return same
+
+    cdef void _locate(self, Prepared pr, bint same):
+        """After the replay: a first look at ``pr`` (or with other terms) that
+        examined the new request says where a later replay keeps its state."""
+        cdef St* st = &self.st
+        cdef Ack* ck = &pr.ck
+        cdef int64_t records = (pr.n + 1 + st.nb + pr.nruns + pr.n_bb + pr.n_kb
+                                + (pr.ht_mask + 1 if pr.ht != NULL else 0))
+        if (self.resume and st.new_seen and st.top_turn >= CK_MIN_TURN and st.join_hi >= 0.0
+                and st.top_work * CK_WORK_PER_RECORD >= records
+                and not self.resumed and not same):
+            ck.status = CK_LOCATED
+            ck.turn = st.top_turn
+            ck.join_lo = st.join_lo
+            ck.join_hi = st.join_hi
+            ck.c = st.c
+            ck.owner = self.serial
+
+    cdef int _resume(self, Prepared pr) except -1:
+        """Start the replay that _start set up from ``pr``'s checkpoint instead.
+
+        The new request keeps the slot and keys _start gave it (its keys the
+        only ones in the arena); every other record is copied from the
+        checkpoint on first touch (a fresh epoch), the lists, content map,
+        buckets, heaps and clocks are restored.
+        """
+        cdef St* st = &self.st
+        cdef Ack* ck = &pr.ck
+        cdef int64_t i, off
+        cdef Rq fresh = st.r[st.new_slot]
+        cdef Batch* b
+        if st.cap_bep < ck.nb:
+            mem_resize(<void**>&st.bep, ck.nb, sizeof(int32_t))
+            memset(st.bep, 0, sizeof(int32_t) * ck.nb)
+            st.cap_bep = ck.nb
+            self._restart_epochs()
+        if st.cap_bl < ck.nb:
+            mem_reserve(<void**>&st.bl, &st.cap_bl, ck.nb, 64, sizeof(Blk))
+        for i in range(self.P.bs):
+            mem_reserve(<void**>&st.bk[i].s, &st.bk[i].cap, ck.bk_n[i], 16, sizeof(int32_t))
+        mem_reserve(<void**>&st.leave.e, &st.leave.cap, ck.n_leave, 16, sizeof(Ev))
+        mem_reserve(<void**>&st.rel.e, &st.rel.cap, ck.n_rel, 16, sizeof(Ev))
+        mem_reserve(<void**>&st.ex, &st.cap_ex, ck.n_ex, 64, sizeof(int32_t))
+        b = &st.ring[0]
+        if ck.ring_n and b.cap_ent < ck.b.n_ent:
+            mem_resize(<void**>&b.ent_s, ck.b.n_ent, sizeof(int32_t))
+            mem_resize(<void**>&b.ent_n, ck.b.n_ent, sizeof(int64_t))
+            b.cap_ent = ck.b.n_ent
+        if ck.ring_n and b.cap_samp < ck.b.n_samp:
+            mem_resize(<void**>&b.samp, ck.b.n_samp, sizeof(int32_t))
+            mem_resize(<void**>&b.got, ck.b.n_samp, sizeof(int64_t))
+            b.cap_samp = ck.b.n_samp
+        # Every buffer has its size: a fresh epoch, and the new request's copy current.
+        st.cur += 1
+        if st.cur == 0x7fffffff:
+            self._restart_epochs()
+            st.cur = 1
+        st.r[st.new_slot] = fresh
+        st.rep[st.new_slot] = st.cur
+        st.src = ck.r
+        memcpy(st.run, ck.run, sizeof(int32_t) * ck.n_run)
+        st.n_run = ck.n_run
+        st.wq_head = 0
+        st.wq_n = 0
+        for i in range(ck.wq_n):
+            wq_push_back(st, ck.wq[i])
+        st.src_bl = ck.bl
+        st.nb0 = ck.nb
+        st.nb = ck.nb
+        st.src_runs = ck.runs
+        st.nruns = ck.nruns
+        st.fq_head = ck.fq_head
+        st.fq_tail = ck.fq_tail
+        st.n_free = ck.n_free
+        st.ht = ck.ht
+        st.ht_mask = ck.ht_mask
+        st.ov_n = 0
+        st.serial_key = ck.serial_key
+        st.pbb = ck.bb
+        st.pkb = ck.kb
+        st.forgets = ck.forgets
+        st.ring_head = 0
+        st.ring_n = ck.ring_n
+        if ck.ring_n:
+            b.n_ent = ck.b.n_ent
+            memcpy(b.ent_s, ck.b_ent_s, sizeof(int32_t) * b.n_ent)
+            memcpy(b.ent_n, ck.b_ent_n, sizeof(int64_t) * b.n_ent)
+            b.n_samp = ck.b.n_samp
+            memcpy(b.samp, ck.b_samp, sizeof(int32_t) * b.n_samp)
+            memcpy(b.got, ck.b_got, sizeof(int64_t) * b.n_samp)
+            b.nlive = ck.b.nlive
+            b.carried = ck.b.carried
+            b.has_new = ck.b.has_new
+            b.serial = ck.b.serial
+            b.vt = ck.b.vt
+            b.lazy_n = ck.b.lazy_n
+            b.pre = ck.b.pre
+            b.dec = ck.b.dec
+            b.dctx = ck.b.dctx
+            b.patt = ck.b.patt
+            b.admitted = ck.b.admitted
+            b.preempted = ck.b.preempted
+        st.serial = ck.serial
+        st.k = ck.k
+        st.work = ck.work
+        st.t = ck.t
+        st.vt = ck.vt
+        st.vt_done = ck.vt_done
+        st.n_lazy = ck.n_lazy
+        st.s_base = ck.s_base
+        st.ord_next = ck.ord_next
+        st.lazy_batches = ck.lazy_batches
+        st.materialized = ck.materialized
+        st.fold_ok = ck.fold_ok
+        off = 0
+        for i in range(self.P.bs):
+            st.bk[i].n = ck.bk_n[i]
+            memcpy(st.bk[i].s, ck.bk_s + off, sizeof(int32_t) * ck.bk_n[i])
+            off += ck.bk_n[i]
+        st.bk_dirty = ck.bk_dirty
+        memcpy(st.leave.e, ck.leave, sizeof(Ev) * ck.n_leave)
+        st.leave.n = ck.n_leave
+        memcpy(st.rel.e, ck.rel, sizeof(Ev) * ck.n_rel)
+        st.rel.n = ck.n_rel
+        memcpy(st.ex, ck.ex, sizeof(int32_t) * ck.n_ex)
+        st.n_ex = ck.n_ex
+        # It joined where the checkpoint's did (its arrival is in the same interval).
+        st.pending_new = False
+        st.join_lo = ck.join_lo
+        st.join_hi = ck.join_hi
+        st.turn = ck.turn
+        self.resumed = True
+        return 0
+
+    @property
+    def last_resumed(self):
+        """Whether the latest :meth:`ttft` or :meth:`replay` started from its
+        prepared state's checkpoint (see ``_replay_c.Replayer.last_resumed``)."""
+        return self.resumed
 
     @property
     def last_work(self):

@@ -26,7 +26,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t
 from libc.stdlib cimport free, qsort
 from libc.string cimport memcmp, memcpy, memset
 
-from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_resize
+from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_copy, mem_try_reserve
 from _replay_defs cimport (
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs, Ev,
@@ -1430,26 +1430,6 @@ cdef enum:
     CK_MIN_STEP = 4
 
 
-cdef inline int ck_reserve(void** dst, int64_t* cap, int64_t n, size_t itemsize) noexcept nogil:
-    """Room for ``n`` items in ``*dst``; -1 (nothing raised, ``*dst`` unchanged and
-    valid) when memory runs out."""
-    if n > cap[0]:
-        if mem_try_resize(dst, n, itemsize) < 0:
-            return -1
-        cap[0] = n
-    return 0
-
-
-cdef inline int ck_copy(void** dst, int64_t* cap, const void* src, int64_t n,
-                        size_t itemsize) noexcept nogil:
-    """``n`` items of ``src`` into ``*dst`` (see ck_reserve)."""
-    if ck_reserve(dst, cap, n, itemsize) < 0:
-        return -1
-    if n > 0:
-        memcpy(dst[0], src, n * itemsize)
-    return 0
-
-
 cdef void take_checkpoint(State* st) noexcept nogil:
     """Keep the state at this turn's top in ``st.ck``, for later replays to resume from.
 
@@ -1464,25 +1444,25 @@ cdef void take_checkpoint(State* st) noexcept nogil:
     cdef int64_t i, n = st.n_slots
     cdef Batch* b
     ck.status = CK_NONE
-    if ck_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Req)) < 0:
+    if mem_try_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Req)) < 0:
         return
     for i in range(n):
         if st.epoch[i] == st.cur:
             ck.r[i] = st.r[i]
-    if ck_copy(<void**>&ck.ro, &ck.cap_ro, st.ro, st.ro_n, sizeof(int32_t)) < 0:
+    if mem_try_copy(<void**>&ck.ro, &ck.cap_ro, st.ro, st.ro_n, sizeof(int32_t)) < 0:
         return
-    if ck_copy(<void**>&ck.ex, &ck.cap_ex, st.ex, st.n_ex, sizeof(int32_t)) < 0:
+    if mem_try_copy(<void**>&ck.ex, &ck.cap_ex, st.ex, st.n_ex, sizeof(int32_t)) < 0:
         return
-    if ck_reserve(<void**>&ck.wq, &ck.cap_wq, st.wq_n, sizeof(int32_t)) < 0:
+    if mem_try_reserve(<void**>&ck.wq, &ck.cap_wq, st.wq_n, sizeof(int32_t)) < 0:
         return
     for i in range(st.wq_n):
         ck.wq[i] = wq_at(st, i)
-    if ck_copy(<void**>&ck.hist, &ck.cap_hist, st.hist, st.P.bs, sizeof(int64_t)) < 0:
+    if mem_try_copy(<void**>&ck.hist, &ck.cap_hist, st.hist, st.P.bs, sizeof(int64_t)) < 0:
         return
-    if ck_copy(<void**>&ck.leave_heap, &ck.cap_leave, st.leave.heap, st.leave.n_heap,
+    if mem_try_copy(<void**>&ck.leave_heap, &ck.cap_leave, st.leave.heap, st.leave.n_heap,
                sizeof(Ev)) < 0:
         return
-    if ck_copy(<void**>&ck.release_heap, &ck.cap_release, st.release.heap, st.release.n_heap,
+    if mem_try_copy(<void**>&ck.release_heap, &ck.cap_release, st.release.heap, st.release.n_heap,
                sizeof(Ev)) < 0:
         return
     ck.ring_n = st.ring_n
@@ -1490,14 +1470,14 @@ cdef void take_checkpoint(State* st) noexcept nogil:
         return  # (a turn's top holds at most the batch in flight)
     if st.ring_n == 1:
         b = &st.ring[st.ring_head]
-        if ck_copy(<void**>&ck.b_rel, &ck.cap_b_rel, b.rel, b.n_rel, sizeof(int32_t)) < 0:
+        if mem_try_copy(<void**>&ck.b_rel, &ck.cap_b_rel, b.rel, b.n_rel, sizeof(int32_t)) < 0:
             return
-        if ck_copy(<void**>&ck.b_stale, &ck.cap_b_stale, b.stale, b.n_stale, sizeof(int32_t)) < 0:
+        if mem_try_copy(<void**>&ck.b_stale, &ck.cap_b_stale, b.stale, b.n_stale, sizeof(int32_t)) < 0:
             return
-        if ck_copy(<void**>&ck.b_stale_tok, &ck.cap_b_stale_tok, b.stale_tok, b.n_stale,
+        if mem_try_copy(<void**>&ck.b_stale_tok, &ck.cap_b_stale_tok, b.stale_tok, b.n_stale,
                    sizeof(int64_t)) < 0:
             return
-        if ck_copy(<void**>&ck.b_samp, &ck.cap_b_samp, b.samp, b.n_samp, sizeof(Ev)) < 0:
+        if mem_try_copy(<void**>&ck.b_samp, &ck.cap_b_samp, b.samp, b.n_samp, sizeof(Ev)) < 0:
             return
         ck.b = b[0]
     ck.n_slots = n
@@ -1782,7 +1762,7 @@ cdef class Replayer:
     cdef readonly object policy
     cdef State st
     cdef public bint force_slow
-    cdef public bint resume
+    cdef bint resume_on
     cdef object _apc
     cdef bint _last_apc
     cdef int64_t serial     # names it in the checkpoints it takes
@@ -1801,7 +1781,7 @@ cdef class Replayer:
         alloc = {"on-demand": 0, "prompt": 1, "max-length": 2}[p.allocate]
         self.code = alloc * 4 + (2 if p.async_scheduling else 0) + (1 if p.budget_count == "padded" else 0)
         self.force_slow = False
-        self.resume = True
+        self.resume_on = True
         global _serials
         _serials += 1
         self.serial = _serials
@@ -2164,7 +2144,7 @@ cdef class Replayer:
         cdef State* st = &self.st
         cdef Checkpoint* ck = &pr.ck
         cdef bint same = (
-            self.resume and ck.status != CK_NONE and ck.owner == self.serial
+            self.resume_on and ck.status != CK_NONE and ck.owner == self.serial
             and ck.join_lo < arrival <= ck.join_hi and ck.force_slow == self.force_slow
             and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
         if same and ck.status == CK_TAKEN and ck.t <= st.horizon:
@@ -2179,7 +2159,7 @@ cdef class Replayer:
         examined the new request says where a later replay keeps its state."""
         cdef State* st = &self.st
         cdef Checkpoint* ck = &pr.ck
-        if (self.resume and st.new_seen and st.top_step >= CK_MIN_STEP and st.join_hi >= 0.0
+        if (self.resume_on and st.new_seen and st.top_step >= CK_MIN_STEP and st.join_hi >= 0.0
                 and not self.resumed and not same):
             ck.status = CK_LOCATED
             ck.step = st.top_step
@@ -2323,13 +2303,25 @@ cdef class Replayer:
         return self._apc
 
     @property
+    def resume(self):
+        """Resume replays from their prepared state's checkpoint (default on;
+        setting it sets the block-level loop's too)."""
+        return self.resume_on
+
+    @resume.setter
+    def resume(self, bint on):
+        self.resume_on = on
+        if self._apc is not None:
+            self._apc.resume = on
+
+    @property
     def last_resumed(self):
         """Whether the latest :meth:`ttft` or :meth:`replay` started from its
         prepared state's checkpoint (the state before the new request was first
         examined, kept by an earlier replay of it) rather than from the
-        snapshot. :meth:`replay` resumes only unrecorded, with its default
-        ``max_batches`` and ``max_work``."""
-        return False if self._last_apc else self.resumed
+        snapshot, in this loop or the block-level one. :meth:`replay` resumes
+        only unrecorded, with its default ``max_batches`` and ``max_work``."""
+        return self._apc.last_resumed if self._last_apc else self.resumed
 
     @property
     def last_work(self):

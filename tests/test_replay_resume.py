@@ -231,3 +231,168 @@ def test_the_kept_state_survives_other_calls_on_the_replayer() -> None:
     got = c.ttft(ca, 400, 50, COEFFS)
     assert c.last_resumed
     assert got == pytest.approx(tw.ttft(tw.prepare(a), 400, 50, COEFFS), rel=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# The block-level loop (a snapshot with kv.prefix_cache under prefix caching)
+# ---------------------------------------------------------------------------
+
+APC_ARRIVAL = st.tuples(
+    st.integers(0, 10),
+    st.integers(0, 2),
+    st.integers(0, 400),
+    st.integers(1, 300),
+    st.integers(1, 60),
+)
+
+
+def _apc_case(name: str, arrivals: list[Any], at: int, seed: int) -> tuple[Any, Any, Any]:
+    import orjson
+    from test_prefix_replay import run_engine
+
+    from bearsdk.snapshot import snapshot_from_dict
+
+    pol, rng, eng = run_engine(name, arrivals, at, seed)
+    doc = orjson.loads(orjson.dumps(eng.core.snapshot(output_len=True)))
+    return pol, rng, snapshot_from_dict(doc)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(["sync-scarce", "async-scarce", "sync-lpt-wm", "async-roomy"]),
+    arrivals=st.lists(APC_ARRIVAL, min_size=4, max_size=20),
+    at=st.integers(0, 30),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_the_block_level_loop_resumes_to_the_same_answers_and_pool(
+    name: str, arrivals: list[Any], at: int, seed: int, data: st.DataObject
+) -> None:
+    from test_prefix_replay import tokens
+
+    from bearsdk.replay._replay_apc_c import Replayer as ApcReplayer
+    from bearsdk.replay.blocks import chain_keys
+
+    pol, rng, snap = _apc_case(name, arrivals, at, seed)
+    assert snap.kv is not None
+    c, ref = ApcReplayer(pol), ApcReplayer(pol)
+    ref.resume = False
+    cp = c.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    span = ref.ttft(
+        ref.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache),
+        200,
+        20,
+        COEFFS,
+    )
+    calls = data.draw(_calls(span if math.isfinite(span) and span > 0 else 1.0))
+    for k, (plen, out, cap, horizon, arrival, co) in enumerate(calls):
+        keys = chain_keys(
+            tokens(rng, data.draw(st.integers(0, 2)), data.draw(st.integers(0, 400)), plen),
+            pol.block_size,
+        )
+        rp = ref.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        kw = {"max_tokens": cap, "prefix_keys": keys, "horizon_s": horizon, "arrival_s": arrival}
+        where = f"{name} call {k}: {(plen, out, cap, horizon, arrival, co)}"
+        if k % 3 == 2:
+            g = c.replay(cp, plen, out, co, next_tokens=3, **kw)
+            r = ref.replay(rp, plen, out, co, next_tokens=3, **kw)
+            where += f" resumed {c.last_resumed}"
+            assert (g.stop_reason, g.first_token_batch, g.token_batches) == (
+                r.stop_reason,
+                r.first_token_batch,
+                r.token_batches,
+            ), where
+            assert g.ttft_s == r.ttft_s, where
+            assert g.token_times_s == r.token_times_s, where
+        else:
+            got = c.ttft(cp, plen, out, co, cap, keys, horizon, arrival)
+            want = ref.ttft(rp, plen, out, co, cap, keys, horizon, arrival)
+            assert got == want or (math.isinf(got) and math.isinf(want)), (
+                f"{where}: resumed {c.last_resumed}: {got}, from the snapshot {want}"
+            )
+        # The pool where each stopped, block for block (the twins' own oracle).
+        assert c.last_blocks() == ref.last_blocks(), where
+        assert c.last_pool == ref.last_pool, where
+        assert c.last_work == ref.last_work, where
+
+
+def test_the_block_level_loop_resumes_a_queue_behind_shared_prefixes() -> None:
+    # bench replay's A2: 96 users of three system prompts; a popular prompt's next user.
+    from bearsdk.bench import replay_apc as A
+    from bearsdk.replay._replay_apc_c import Replayer as ApcReplayer
+    from bearsdk.replay.blocks import chain_keys
+
+    sc = next(s for s in A.build_apc_scenarios() if s.name == "A2")
+    snap = sc.snapshot
+    assert snap.kv is not None
+    pol = bind_scheduler("vllm-v1", A.PARAMS).with_kv(snap.kv.block_size, snap.kv.num_blocks)
+    c, ref = ApcReplayer(pol), ApcReplayer(pol)
+    ref.resume = False
+    cp = c.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    rp = ref.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    keys = chain_keys(sc.prompt_ids, A.BS)
+    n = len(sc.prompt_ids)
+    seen = []
+    for extra in range(4):
+        got = c.ttft(cp, n + extra, sc.output_len, COEFFS, -1, keys)
+        seen.append(c.last_resumed)
+        assert got == ref.ttft(rp, n + extra, sc.output_len, COEFFS, -1, keys)
+        assert c.last_blocks() == ref.last_blocks()
+    assert seen == [False, False, True, True]
+    # Through the counted loop's front, which hands such a snapshot to it.
+    front = _compiled(pol)
+    fp = front.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+    for _ in range(3):
+        front.ttft(fp, n, sc.output_len, COEFFS, -1, keys)
+    assert front.last_resumed
+    front.resume = False
+    front.ttft(fp, n, sc.output_len, COEFFS, -1, keys)
+    assert not front.last_resumed
+
+
+@pytest.mark.parametrize("name", ["wide-async", "wide-sync"])
+def test_the_block_level_loop_resumes_with_many_decodes_a_batch(name: str) -> None:
+    # Up to 24 running: the lazy decodes' buckets and event heaps are kept too.
+    import random
+
+    from test_prefix_replay import tokens
+
+    from bearsdk.replay._replay_apc_c import Replayer as ApcReplayer
+    from bearsdk.replay.blocks import chain_keys
+
+    resumed = lazies = 0
+    for seed in range(24):
+        r = random.Random(seed)
+        arrivals = [
+            (
+                r.randint(0, 50),
+                r.randint(0, 2),
+                r.randint(0, 400),
+                r.randint(1, 300),
+                r.randint(1, 150),
+            )
+            for _ in range(r.randint(20, 60))
+        ]
+        pol, rng, snap = _apc_case(name, arrivals, r.randint(10, 60), seed)
+        assert snap.kv is not None
+        c, ref = ApcReplayer(pol), ApcReplayer(pol)
+        ref.resume = False
+        cp = c.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        for k in range(6):
+            plen, out = r.randint(1, 400), r.randint(1, 40)
+            keys = chain_keys(tokens(rng, r.randint(0, 2), r.randint(0, 400), plen), pol.block_size)
+            rp = ref.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+            follow = (0, 3, 32)[k % 3]
+            g = c.replay(cp, plen, out, COEFFS, prefix_keys=keys, next_tokens=follow)
+            resumed += c.last_resumed
+            lazies += c.last_lazy_batches
+            w = ref.replay(rp, plen, out, COEFFS, prefix_keys=keys, next_tokens=follow)
+            assert (g.ttft_s, g.token_batches, g.token_times_s) == (
+                w.ttft_s,
+                w.token_batches,
+                w.token_times_s,
+            ), f"seed {seed} call {k}"
+            assert c.last_blocks() == ref.last_blocks(), f"seed {seed} call {k}"
+            assert c.last_lazy_batches == ref.last_lazy_batches
+    assert resumed > 20
+    assert lazies > 100

@@ -292,6 +292,7 @@ def _main(args: argparse.Namespace) -> int:
         for label in (
             "cython",
             "cython_counted",
+            "cython_resumed",
             "cython_counted_resumed",
             "python",
             "python_counted",

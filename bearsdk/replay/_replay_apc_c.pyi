@@ -19,6 +19,9 @@ class Prepared:
 class Replayer:
     implementation: str
     policy: Policy
+    resume: bool
+    @property
+    def last_resumed(self) -> bool: ...
     @property
     def last_work(self) -> int: ...
     @property
