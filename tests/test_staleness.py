@@ -624,3 +624,37 @@ def test_fast_forward_times_batches_with_the_replays_dense_floor() -> None:
         + floor.b3 * 1,
         rel=1e-12,
     )
+
+
+def test_the_kept_view_shortcut_answers_as_the_full_path_does() -> None:
+    # estimate_fields finds a kept fast-forwarded view without _prepared while
+    # its entry, view key and rules hold; a dispatch (the overlay's version), a
+    # completion or new rules each send it the full way again. A twin state
+    # with the shortcut cleared before every estimate agrees.
+    st, clock, snap, t0, _, inflight = _forwarded_view(0.2)
+    twin = make_state(clock, fast_forward_after_s=0.01, refresh_s=0.2)
+    twin.cache.offer(snap, received=t0)
+
+    def both(prompt: int) -> tuple[Any, Any]:
+        twin._hot = None
+        return st.ttft(prompt, 10), twin.ttft(prompt, 10)
+
+    t1 = clock.t
+    events = [
+        lambda: None,
+        lambda: (st.on_dispatch("q1", 900, 10), twin.on_dispatch("q1", 900, 10)),
+        lambda: None,
+        lambda: (st.on_complete("q1"), twin.on_complete("q1")),
+        lambda: None,
+    ]
+    for k, event in enumerate(events):
+        clock.t = t1 + inflight * (0.2 + k * 0.3)
+        event()
+        a, b = both(700 + k)
+        assert (a.mode, a.pending) == (b.mode, b.pending), k
+        assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9, abs=1e-12), k
+    assert st._hot is not None
+    # New rules: the shortcut no longer holds for them.
+    st.rules = StalenessRules(fast_forward_after_s=None)
+    got = st.ttft(700, 10)
+    assert got.mode != "fast-forward"

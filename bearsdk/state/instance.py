@@ -184,8 +184,8 @@ class InstanceState:
     _switches: int = attrs.field(init=False, default=0)
     _ff_errors: int = attrs.field(init=False, default=0)
     _overlay_refused: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
-    # The kept fast-forwarded view's entry, key and rules: while all three hold,
-    # an estimate needs none of _prepared's checks (see _kept).
+    # The kept fast-forwarded view's entry, key and rules, set by _forwarded:
+    # while all three hold, estimate_fields finds the view without _prepared.
     _hot: tuple[CachedSnapshot, tuple[int, int, bool], StalenessRules] | None = attrs.field(
         init=False, default=None
     )
