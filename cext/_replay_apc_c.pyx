@@ -28,7 +28,7 @@
 
 from libc.stdint cimport INT64_MIN, int8_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport free
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcpy, memset
 
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.tuple cimport PyTuple_GET_ITEM
@@ -36,6 +36,7 @@ from cpython.tuple cimport PyTuple_GET_ITEM
 from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_copy, mem_try_reserve
 from _pyint cimport int_in, is_key
 from _replay_defs cimport (
+    CK_LOCATED, CK_NONE, CK_TAKEN, CkTerms, ck_holds, ck_locate,
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, Ev, ev_pop, ev_push, ev_sift_down, WM_ALWAYS, WM_WHILE_RUNNING, Coeffs, Params, arrival_arg, cdiv,
     horizon_arg, imax, imin, output_limit, output_target, read_coeffs, read_policy, tokens_arg,
@@ -176,13 +177,7 @@ ctypedef struct Ack:
     # content map merged with the replay's overlay, and the block and key
     # lists appended to the prepared blobs (so the requests' copies read them
     # from there).
-    int status          # CK_NONE, CK_LOCATED (turn known) or CK_TAKEN (state held)
-    int64_t turn
-    double join_lo      # the arrivals it holds for: (join_lo, join_hi]
-    double join_hi
-    Coeffs c
-    int64_t owner       # the replayer's serial
-    double t
+    CkTerms terms       # which turn (a turn count), and for which replays
     Rq* r
     int64_t cap_r
     int64_t n_r
@@ -351,7 +346,7 @@ ctypedef struct St:
     int64_t cap_fin
     # resuming (see take_checkpoint)
     Ack* ck             # the prepared state's checkpoint, or NULL
-    bint ck_take        # take it at the top of turn ck.turn
+    bint ck_take        # take it at the top of turn ck.terms.at
     int64_t turn        # loop turns so far
     int64_t top_turn    # the last turn's top before the new request was examined
     int64_t top_work    # ... and the work done by then
@@ -1569,9 +1564,6 @@ cdef int log_batch(St* st, Batch* b, double dt) except -1 nogil:
 # ---------------------------------------------------------------------------
 
 cdef enum:
-    CK_NONE = 0
-    CK_LOCATED = 1
-    CK_TAKEN = 2
     # A turn this early saves less than taking its state costs.
     CK_MIN_TURN = 4
     # Nor does one whose work so far is small beside the pool it copies: a
@@ -1631,7 +1623,7 @@ cdef void take_checkpoint(St* st) noexcept nogil:
     cdef int64_t i, n = st.new_slot + 1, total
     cdef Rq* q
     cdef Batch* b
-    ck.status = CK_NONE
+    ck.terms.status = CK_NONE
     if mem_try_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Rq)) < 0:
         return
     for i in range(n):
@@ -1713,7 +1705,7 @@ cdef void take_checkpoint(St* st) noexcept nogil:
     ck.serial = st.serial
     ck.k = st.k
     ck.work = st.work
-    ck.t = st.t
+    ck.terms.t = st.t
     ck.vt = st.vt
     ck.vt_done = st.vt_done
     ck.n_lazy = st.n_lazy
@@ -1726,7 +1718,7 @@ cdef void take_checkpoint(St* st) noexcept nogil:
     ck.n_leave = st.leave.n
     ck.n_rel = st.rel.n
     ck.n_ex = st.n_ex
-    ck.status = CK_TAKEN
+    ck.terms.status = CK_TAKEN
 
 
 cdef int go(St* st, int64_t max_batches) except -1 nogil:
@@ -1742,7 +1734,7 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
             st.join_lo = st.t_before
             st.join_hi = st.t
         if not st.new_seen and not st.pending_new:
-            if st.ck_take and st.turn == st.ck.turn:
+            if st.ck_take and st.turn == st.ck.terms.at:
                 st.ck_take = False
                 take_checkpoint(st)
             st.top_turn = st.turn
@@ -2495,13 +2487,10 @@ cdef class Replayer:
         checkpoint's terms are this replay's."""
         cdef St* st = &self.st
         cdef Ack* ck = &pr.ck
-        cdef bint same = (
-            self.resume and ck.status != CK_NONE and ck.owner == self.serial
-            and ck.join_lo < arrival <= ck.join_hi
-            and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
-        if same and ck.status == CK_TAKEN and ck.t <= st.horizon:
+        cdef bint same = ck_holds(&ck.terms, self.resume, self.serial, False, arrival, &st.c)
+        if same and ck.terms.status == CK_TAKEN and ck.terms.t <= st.horizon:
             self._resume(pr)
-        elif same and ck.status == CK_LOCATED:
+        elif same and ck.terms.status == CK_LOCATED:
             st.ck = ck
             st.ck_take = True
         return same
@@ -2510,18 +2499,12 @@ cdef class Replayer:
         """After the replay: a first look at ``pr`` (or with other terms) that
         examined the new request says where a later replay keeps its state."""
         cdef St* st = &self.st
-        cdef Ack* ck = &pr.ck
         cdef int64_t records = (pr.n + 1 + st.nb + pr.nruns + pr.n_bb + pr.n_kb
                                 + (pr.ht_mask + 1 if pr.ht != NULL else 0))
         if (self.resume and st.new_seen and st.top_turn >= CK_MIN_TURN and st.join_hi >= 0.0
                 and st.top_work * CK_WORK_PER_RECORD >= records
                 and not self.resumed and not same):
-            ck.status = CK_LOCATED
-            ck.turn = st.top_turn
-            ck.join_lo = st.join_lo
-            ck.join_hi = st.join_hi
-            ck.c = st.c
-            ck.owner = self.serial
+            ck_locate(&pr.ck.terms, st.top_turn, st.join_lo, st.join_hi, &st.c, self.serial, False)
 
     cdef int _resume(self, Prepared pr) except -1:
         """Start the replay that _start set up from ``pr``'s checkpoint instead.
@@ -2610,7 +2593,7 @@ cdef class Replayer:
         st.serial = ck.serial
         st.k = ck.k
         st.work = ck.work
-        st.t = ck.t
+        st.t = ck.terms.t
         st.vt = ck.vt
         st.vt_done = ck.vt_done
         st.n_lazy = ck.n_lazy
@@ -2633,9 +2616,9 @@ cdef class Replayer:
         st.n_ex = ck.n_ex
         # It joined where the checkpoint's did (its arrival is in the same interval).
         st.pending_new = False
-        st.join_lo = ck.join_lo
-        st.join_hi = ck.join_hi
-        st.turn = ck.turn
+        st.join_lo = ck.terms.join_lo
+        st.join_hi = ck.terms.join_hi
+        st.turn = ck.terms.at
         self.resumed = True
         return 0
 

@@ -24,10 +24,11 @@
 
 from libc.stdint cimport int8_t, int32_t, int64_t
 from libc.stdlib cimport free, qsort
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcpy, memset
 
 from _mem cimport mem_alloc, mem_reserve, mem_resize, mem_try_copy, mem_try_reserve
 from _replay_defs cimport (
+    CK_LOCATED, CK_NONE, CK_TAKEN, CkTerms, ck_holds, ck_locate,
     R_FIRST_TOKEN, R_HORIZON, R_LIMIT, R_NEVER, S_FINISHED, S_RUNNING, S_WAITING, STAGE_DECODES,
     STAGE_PREFILLS, STAGE_RUNNING, STAGE_WAITING, WM_ALWAYS, WM_NEVER, WM_WHILE_RUNNING, Coeffs, Ev,
     Params, arrival_arg, cdiv, ev_less, ev_pop, ev_push, ev_sift_down, horizon_arg, imax, imin,
@@ -155,14 +156,7 @@ ctypedef struct Batch:
 ctypedef struct Checkpoint:
     # Where a replay may resume: the state at the top of the last loop turn
     # before the new request was first examined (see take_checkpoint).
-    int status           # CK_NONE, CK_LOCATED (step known) or CK_TAKEN (state held)
-    int64_t step         # the turn's step
-    double join_lo       # the arrivals it holds for: those in (join_lo, join_hi],
-    double join_hi       #   which join the waiting queue at the same batch's end
-    Coeffs c             # ... and the coefficients
-    int64_t owner        # ... and the replayer (its serial)
-    bint force_slow      # ... and the replayer's force_slow
-    double t
+    CkTerms terms        # which turn (a step), and for which replays
     int64_t n_slots
     Req* r               # every slot, materialised
     int64_t cap_r
@@ -283,7 +277,7 @@ ctypedef struct State:
     int64_t cap_log
     # resuming (see take_checkpoint)
     Checkpoint* ck       # the prepared state's checkpoint, or NULL
-    bint ck_take         # take it at the top of the turn at step ck.step
+    bint ck_take         # take it at the top of the turn at step ck.terms.at
     int64_t top_step     # the last turn's top before the new request was examined
     double t_before      # when the latest batch started
     double join_lo       # the arrivals that join where the new request joined:
@@ -1366,9 +1360,9 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
         # Its arrival is met batch by batch too (a batch scheduled at or after
         # it sees the new request).
         m = run_limit_before(st, m, st.arrival)
-    if st.ck_take and st.ck.step > st.step:
+    if st.ck_take and st.ck.terms.at > st.step:
         # A turn starts at the step whose state is to be kept.
-        m = imin(m, st.ck.step - st.step)
+        m = imin(m, st.ck.terms.at - st.step)
     if m < 2:
         return 0
     m -= 1  # leave the last batch to the ordinary path (it meets the event)
@@ -1423,9 +1417,6 @@ cdef int64_t try_run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches
 # ---------------------------------------------------------------------------
 
 cdef enum:
-    CK_NONE = 0
-    CK_LOCATED = 1
-    CK_TAKEN = 2
     # A turn this early saves less than taking its state costs.
     CK_MIN_STEP = 4
 
@@ -1443,7 +1434,7 @@ cdef void take_checkpoint(State* st) noexcept nogil:
     cdef Checkpoint* ck = st.ck
     cdef int64_t i, n = st.n_slots
     cdef Batch* b
-    ck.status = CK_NONE
+    ck.terms.status = CK_NONE
     if mem_try_copy(<void**>&ck.r, &ck.cap_r, st.src, n, sizeof(Req)) < 0:
         return
     for i in range(n):
@@ -1496,12 +1487,12 @@ cdef void take_checkpoint(State* st) noexcept nogil:
     ck.vt = st.vt
     ck.k = st.k
     ck.work = st.work
-    ck.t = st.t
+    ck.terms.t = st.t
     ck.materialized = st.materialized
     ck.st_force_slow = st.force_slow
     ck.slow_until_b0 = st.slow_until_b0
     ck.b0_done = st.b0_done
-    ck.status = CK_TAKEN
+    ck.terms.status = CK_TAKEN
 
 
 cdef inline bint new_lazily_served(State* st, Batch* b) noexcept nogil:
@@ -1530,7 +1521,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
             st.join_lo = st.t_before
             st.join_hi = st.t
         if not st.new_seen and not st.pending_new:
-            if st.ck_take and st.step == st.ck.step:
+            if st.ck_take and st.step == st.ck.terms.at:
                 st.ck_take = False
                 take_checkpoint(st)
             st.top_step = st.step
@@ -2143,13 +2134,11 @@ cdef class Replayer:
         """
         cdef State* st = &self.st
         cdef Checkpoint* ck = &pr.ck
-        cdef bint same = (
-            self.resume_on and ck.status != CK_NONE and ck.owner == self.serial
-            and ck.join_lo < arrival <= ck.join_hi and ck.force_slow == self.force_slow
-            and memcmp(&ck.c, &st.c, sizeof(Coeffs)) == 0)
-        if same and ck.status == CK_TAKEN and ck.t <= st.horizon:
+        cdef bint same = ck_holds(&ck.terms, self.resume_on, self.serial, self.force_slow,
+                                  arrival, &st.c)
+        if same and ck.terms.status == CK_TAKEN and ck.terms.t <= st.horizon:
             self._resume(pr)
-        elif same and ck.status == CK_LOCATED:
+        elif same and ck.terms.status == CK_LOCATED:
             st.ck = ck
             st.ck_take = True
         return same
@@ -2158,16 +2147,10 @@ cdef class Replayer:
         """After the replay: a first look at ``pr`` (or with other terms) that
         examined the new request says where a later replay keeps its state."""
         cdef State* st = &self.st
-        cdef Checkpoint* ck = &pr.ck
         if (self.resume_on and st.new_seen and st.top_step >= CK_MIN_STEP and st.join_hi >= 0.0
                 and not self.resumed and not same):
-            ck.status = CK_LOCATED
-            ck.step = st.top_step
-            ck.join_lo = st.join_lo
-            ck.join_hi = st.join_hi
-            ck.c = st.c
-            ck.owner = self.serial
-            ck.force_slow = self.force_slow
+            ck_locate(&pr.ck.terms, st.top_step, st.join_lo, st.join_hi, &st.c, self.serial,
+                      self.force_slow)
 
     cdef int _resume(self, Prepared pr) except -1:
         """Start the replay that _start set up from ``pr``'s checkpoint instead.
@@ -2198,10 +2181,10 @@ cdef class Replayer:
         st.release.pos = ck.release_pos
         st.free_blocks = ck.free_blocks
         st.vt = ck.vt
-        st.step = ck.step
+        st.step = ck.terms.at
         st.k = ck.k
         st.work = ck.work
-        st.t = ck.t
+        st.t = ck.terms.t
         st.materialized = ck.materialized
         st.force_slow = ck.st_force_slow
         st.slow_until_b0 = ck.slow_until_b0
@@ -2229,8 +2212,8 @@ cdef class Replayer:
             b.n_samp = ck.b.n_samp
         # It joined where the checkpoint's did (its arrival is in the same interval).
         st.pending_new = False
-        st.join_lo = ck.join_lo
-        st.join_hi = ck.join_hi
+        st.join_lo = ck.terms.join_lo
+        st.join_hi = ck.terms.join_hi
         self.resumed = True
         return 0
 

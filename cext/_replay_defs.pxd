@@ -6,7 +6,7 @@
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t
-from libc.string cimport memset
+from libc.string cimport memcmp, memset
 
 from _mem cimport mem_reserve, mem_resize
 
@@ -249,3 +249,44 @@ cdef inline void ev_pop(Ev* h, int64_t* n) noexcept nogil:
     n[0] -= 1
     if n[0] > 0:
         ev_sift_down(h, n[0], 0, h[n[0]])
+
+
+# ---------------------------------------------------------------------------
+# Resuming (both loops): where a replay's state before the new request is kept
+# ---------------------------------------------------------------------------
+
+cdef enum:
+    CK_NONE = 0
+    CK_LOCATED = 1      # the turn is known
+    CK_TAKEN = 2        # the state is held
+
+
+ctypedef struct CkTerms:
+    # What a kept state is, and which replays it holds for.
+    int status
+    int64_t at          # the kept turn: a step (counted loop) or a turn count (block-level)
+    double t            # the time replayed by then
+    double join_lo      # the arrivals it holds for: those in (join_lo, join_hi],
+    double join_hi      #   which join the waiting queue at the same batch's end
+    Coeffs c            # ... the coefficients
+    int64_t owner       # ... the replayer (its serial)
+    bint force_slow     # ... and the replayer's force_slow
+
+
+cdef inline bint ck_holds(const CkTerms* k, bint on, int64_t owner, bint force_slow,
+                          double arrival, const Coeffs* c) noexcept nogil:
+    """A replay with these terms may resume from (or keep) the state ``k`` names."""
+    return (on and k.status != CK_NONE and k.owner == owner and k.force_slow == force_slow
+            and k.join_lo < arrival <= k.join_hi and memcmp(&k.c, c, sizeof(Coeffs)) == 0)
+
+
+cdef inline void ck_locate(CkTerms* k, int64_t at, double join_lo, double join_hi,
+                           const Coeffs* c, int64_t owner, bint force_slow) noexcept nogil:
+    """Where a replay with these terms keeps its state, from a first look."""
+    k.status = CK_LOCATED
+    k.at = at
+    k.join_lo = join_lo
+    k.join_hi = join_hi
+    k.c = c[0]
+    k.owner = owner
+    k.force_slow = force_slow
