@@ -86,7 +86,8 @@ cdef inline int mem_reserve(void** block, int64_t* cap, int64_t need, int64_t mi
     return 0
 
 
-cdef inline int mem_try_reserve(void** block, int64_t* cap, int64_t n, size_t itemsize) noexcept nogil:
+cdef inline int mem_try_reserve(void** block, int64_t* cap, int64_t n,
+                                 size_t itemsize) noexcept nogil:
     """Room for n items in *block (capacity *cap, grown to exactly n); -1, nothing
     raised and nothing changed, when memory runs out."""
     if n > cap[0]:

@@ -1451,10 +1451,10 @@ cdef void take_checkpoint(State* st) noexcept nogil:
     if mem_try_copy(<void**>&ck.hist, &ck.cap_hist, st.hist, st.P.bs, sizeof(int64_t)) < 0:
         return
     if mem_try_copy(<void**>&ck.leave_heap, &ck.cap_leave, st.leave.heap, st.leave.n_heap,
-               sizeof(Ev)) < 0:
+                    sizeof(Ev)) < 0:
         return
-    if mem_try_copy(<void**>&ck.release_heap, &ck.cap_release, st.release.heap, st.release.n_heap,
-               sizeof(Ev)) < 0:
+    if mem_try_copy(<void**>&ck.release_heap, &ck.cap_release, st.release.heap,
+                    st.release.n_heap, sizeof(Ev)) < 0:
         return
     ck.ring_n = st.ring_n
     if st.ring_n > 1:
@@ -1463,10 +1463,11 @@ cdef void take_checkpoint(State* st) noexcept nogil:
         b = &st.ring[st.ring_head]
         if mem_try_copy(<void**>&ck.b_rel, &ck.cap_b_rel, b.rel, b.n_rel, sizeof(int32_t)) < 0:
             return
-        if mem_try_copy(<void**>&ck.b_stale, &ck.cap_b_stale, b.stale, b.n_stale, sizeof(int32_t)) < 0:
+        if mem_try_copy(<void**>&ck.b_stale, &ck.cap_b_stale, b.stale, b.n_stale,
+                        sizeof(int32_t)) < 0:
             return
         if mem_try_copy(<void**>&ck.b_stale_tok, &ck.cap_b_stale_tok, b.stale_tok, b.n_stale,
-                   sizeof(int64_t)) < 0:
+                        sizeof(int64_t)) < 0:
             return
         if mem_try_copy(<void**>&ck.b_samp, &ck.cap_b_samp, b.samp, b.n_samp, sizeof(Ev)) < 0:
             return
