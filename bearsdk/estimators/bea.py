@@ -481,19 +481,9 @@ class BEAEstimator:
         false: it is not computed again)."""
         if max_tokens is not None:
             output_len = min(output_len, max_tokens)
-        # (_arrival and _replay_horizon inlined for the hot path's finite floats.)
-        arrival = (
-            arrival_s
-            if type(arrival_s) is float and 0.0 <= arrival_s < math.inf
-            else check_arrival(arrival_s)
-        )
+        arrival = _arrival(arrival_s)
+        h = _replay_horizon(horizon_s, prepared, arrival)
         inflight = prepared.snapshot.inflight_remaining_s or 0.0
-        if horizon_s == math.inf:
-            h = horizon_s
-        elif type(horizon_s) is float and horizon_s > 0.0:
-            h = max(horizon_s + arrival - inflight, sys.float_info.min)
-        else:
-            h = _replay_horizon(horizon_s, prepared, arrival)
         start = max(arrival - inflight, 0.0)  # its arrival in the replay's time
         coeffs = self._coeffs
         if horizon_s != math.inf:

@@ -397,8 +397,7 @@ class InstanceState:
         fallback estimates."""
         now = self.cache.clock() if now is None else now
         entry = self.cache.entry
-        # (CachedSnapshot.age, inlined.)
-        age = math.inf if entry is None else max(0.0, now - entry.captured)
+        age = math.inf if entry is None else entry.age(now)
         if entry is None or (
             age > self.rules.fallback_after_s
             and self.fallback is not None
