@@ -17,7 +17,7 @@ from bearsdk.estimators.batch_time import BatchTimeModel
 from bearsdk.estimators.bea import BEAEstimator
 from bearsdk.snapshot import Snapshot, snapshot_from_dict
 from bearsdk.state.cache import SnapshotCache
-from bearsdk.state.fastforward import FastForward
+from bearsdk.state.fastforward import STEP_TOLERANCE_S, FastForward
 from bearsdk.state.instance import InstanceState, StalenessRules
 from bearsdk.state.overlay import Dispatch
 
@@ -155,10 +155,12 @@ def test_what_the_view_cannot_place_anchors_nothing() -> None:
     assert ff.lag == 0.0
 
 
-def _state(clock: list[float], anchor: bool = True) -> InstanceState:
+def _state(clock: list[float], anchor: bool = True, steps: bool = True) -> InstanceState:
     cache = SnapshotCache("x", clock=lambda: clock[0], max_transit_s=math.inf)
     est = BEAEstimator.for_scheduler("vllm-v1", BT, PARAMS)
-    rules = StalenessRules(fast_forward_after_s=0.001, refresh_s=0.0, anchor=anchor)
+    rules = StalenessRules(
+        fast_forward_after_s=0.001, refresh_s=0.0, anchor=anchor, anchor_steps=steps
+    )
     st = InstanceState(cache, est, rules=rules)
     cache.offer(_snapshot(), received=T0)
     st.on_dispatch("bear-1", 700, 30, now=T0)
@@ -188,11 +190,113 @@ def test_the_instance_anchors_its_view_on_the_routers_first_tokens() -> None:
     assert anchored.ttft(200, 10).ttft_s > 0
 
 
-def test_anchoring_is_off_by_default() -> None:
+def test_anchoring_on_first_tokens_is_off_by_default() -> None:
     assert not StalenessRules().anchor
     t_hat = _first_token_time()
     now = T0 + t_hat + 0.0323
-    plain = _state([now], anchor=False)
+    plain = _state([now], anchor=False, steps=False)
     plain.ttft(200, 10)
     plain.on_tokens("bear-1", 1, at=T0 + t_hat + 0.03)
-    assert plain.ttft(200, 10).ttft_s == _state([now], anchor=False).ttft(200, 10).ttft_s
+    plain.on_step_end(T0 + t_hat + 0.031)
+    want = _state([now], anchor=False, steps=False).ttft(200, 10).ttft_s
+    assert plain.ttft(200, 10).ttft_s == want
+
+
+# ---------------------------------------------------------------- step ends
+
+
+def _virtual_end(ff: FastForward, now: float) -> float:
+    """When the batch in flight in ``ff``'s view at ``now`` ends, seconds after capture."""
+    remaining = ff.at(now).inflight_remaining_s
+    assert remaining is not None
+    assert remaining > 0.0
+    return now - ff.captured - ff.lag + remaining
+
+
+def _step_ends() -> tuple[float, float]:
+    """Two successive step ends of the unanchored virtual engine, after capture."""
+    probe = _ff()
+    probe.advance(T0 + 0.0405, _sent())
+    first = _virtual_end(probe, T0 + 0.0405)
+    probe.advance(T0 + first + 1e-6, _sent())
+    return first, _virtual_end(probe, T0 + first + 1e-6)
+
+
+@pytest.mark.parametrize("shift", [0.0021, -0.0017])
+def test_a_step_end_places_the_batch_in_flight_where_the_engines_ends(shift: float) -> None:
+    _, end = _step_ends()
+    now = T0 + end + 0.003  # the engine's last step end is past, the view's too
+    ff = _ff()
+    ff.advance(now, _sent())
+    # The engine's step ended ``shift`` later (or earlier) than the model's:
+    # the nearest virtual end moves there.
+    assert ff.step_offset(end + shift) == pytest.approx(shift, abs=1e-12)
+    assert ff.step_end(end + shift, now)
+    assert math.isclose(ff.lag, shift, abs_tol=1e-12)
+    assert not ff.overran  # the view's batch in flight began before the new clock's now
+    free = _ff()
+    for x in (0.0, 0.004, 0.02):
+        ff.advance(now + x, _sent())
+        free.advance(now - shift + x, _sent())
+        assert _rows(ff, now + x) == _rows(free, now - shift + x)
+        got = ff.at(now + x).inflight_remaining_s
+        assert got == pytest.approx(free.at(now - shift + x).inflight_remaining_s, abs=1e-12)
+
+
+def test_a_step_end_nearer_an_earlier_step_takes_back_what_the_view_ran_past() -> None:
+    first, second = _step_ends()
+    now = T0 + second + 0.001
+    ff = _ff()
+    ff.advance(now, _sent())
+    # Nearer the first end than the second: the engine is still in the step the
+    # view finished, and the view had begun the next.
+    at = first + 0.4 * (second - first)
+    assert ff.step_end(at, now)
+    assert math.isclose(ff.lag, at - first, abs_tol=1e-12)
+    assert ff.overran
+    # An exact one moves nothing.
+    again = _ff()
+    again.advance(now, _sent())
+    assert not again.step_end(second, now)
+    assert again.lag == 0.0
+    assert not again.overran
+
+
+@pytest.mark.parametrize("at", [math.nan, math.inf, -math.inf, -0.001])
+def test_a_step_end_that_is_no_time_after_capture_moves_nothing(at: float) -> None:
+    ff = _ff()
+    ff.advance(T0 + 0.03, _sent())
+    before = _rows(ff, T0 + 0.03)
+    assert not ff.step_end(at, T0 + 0.03)
+    assert ff.lag == 0.0
+    assert not ff.overran
+    assert _rows(ff, T0 + 0.03) == before
+
+
+def test_the_instance_places_its_view_on_the_step_ends_it_is_told() -> None:
+    _, second = _step_ends()
+    now = T0 + second + 0.003
+    end = T0 + second
+    shift = -0.0013  # the engine is 1.3 ms ahead of the model
+    clock = [now]
+    placed = _state(clock, anchor=False)
+    placed.ttft(200, 10)
+    placed.on_step_end(end + shift)
+    got = placed.ttft(200, 10)
+    assert got.mode == "fast-forward"
+    ahead = _state([now - shift], anchor=False, steps=False)
+    assert got.ttft_s == pytest.approx(ahead.ttft(200, 10).ttft_s, rel=1e-9)
+    # A step end that agrees with the kept view to within the tolerance keeps it.
+    kept = _state([now], anchor=False)
+    want = kept.ttft(200, 10).ttft_s
+    kept.on_step_end(end + STEP_TOLERANCE_S / 2)
+    assert kept.ttft(200, 10).ttft_s == want
+    # Not with the rule off, nor from a time that is none.
+    off = _state([now], anchor=False, steps=False)
+    off.on_step_end(end + shift)
+    assert off.ttft(200, 10).ttft_s == _state([now], anchor=False, steps=False).ttft(200, 10).ttft_s
+    assert StalenessRules().anchor_steps
+    bad = _state([now], anchor=False)
+    for at in (math.nan, math.inf):
+        bad.on_step_end(at)
+    assert bad.ttft(200, 10).ttft_s == _state([now], anchor=False).ttft(200, 10).ttft_s

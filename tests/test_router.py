@@ -356,3 +356,56 @@ async def test_a_streams_first_token_is_reported_after_the_caller_has_it() -> No
         await stream.__aiter__().__anext__()
         await stream.aclose()
         assert seen == [("first", stream.ttft_s), ("cancelled", 0.0)]
+
+
+async def test_a_streams_later_tokens_place_the_instances_views(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every read that brings tokens after the first tells the router an engine
+    # step ended there (StalenessRules.anchor_steps); so does the completion.
+    from bearsdk.state import InstanceState
+
+    ends: list[tuple[str, float]] = []
+    told = InstanceState.on_step_end
+
+    def spy(self: InstanceState, at: float) -> None:
+        ends.append((self.name, at))
+        told(self, at)
+
+    monkeypatch.setattr(InstanceState, "on_step_end", spy)
+    async with engines() as pool, AsyncRouter(configs(pool), BEAR(), retries=0) as router:
+        await settle(router)
+        start = router.core.clock()
+        stream = await router.chat(MSG, stream=True, max_tokens=24, ttft_target=5.0)
+        await drain(stream)
+        mine = [at for name, at in ends if name == stream.instance]
+        # The first token, at least one read after it, and the end.
+        assert len(mine) >= 3
+        assert mine == sorted(mine)
+        assert all(start <= at <= router.core.clock() for at in mine)
+        assert {name for name, _ in ends} == {stream.instance}
+
+
+def test_record_tokens_tells_the_instance_a_step_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bearsdk.errors import BearError
+    from bearsdk.router.core import RouterCore
+    from bearsdk.state import InstanceState
+
+    t = [10.0]
+    core = RouterCore(
+        [
+            InstanceConfig(
+                name="a", url="http://127.0.0.1:9", model="Qwen/Qwen3-8B", profile="qwen3-8b-h100"
+            )
+        ],
+        BEAR(),
+        clock=lambda: t[0],
+    )
+    got: list[float] = []
+    monkeypatch.setattr(InstanceState, "on_step_end", lambda self, at: got.append(at))
+    core.record_tokens("a", at=9.5)
+    core.record_tokens("a")
+    # No first token observed yet: no overhead learned, the times are as told.
+    assert got == [9.5, 10.0]
+    with pytest.raises(BearError, match="nowhere"):
+        core.record_tokens("nowhere", at=1.0)

@@ -115,6 +115,34 @@ def test_stale_snapshots_go_through_the_routers_staleness_handling(requests: Req
     assert set(paper.ttft_mape) == {"all", "bea", "lps"}
 
 
+def test_streamed_tokens_place_stale_views_where_the_engines_are(requests: RequestSet) -> None:
+    # 400 ms old snapshots under bursts: the router's streams say when each
+    # engine's latest step ended, and the fast-forwarded views' batch in flight
+    # is placed there (StalenessRules.anchor_steps) rather than where the
+    # batch-time model drifted to.
+    kw: dict[str, object] = {"rate": 10.0, "staleness_s": 0.4, "arrivals": "mmpp2:3"}
+    on = _run(requests, "bear", **kw)
+    off = _run(requests, "bear", router_staleness=StalenessRules(anchor_steps=False), **kw)
+    assert on.ttft_mape["fast-forward"] < 0.8 * off.ttft_mape["fast-forward"]
+
+
+def test_an_engine_streams_while_something_decodes() -> None:
+    from bearsdk.sim.engine import BatchNoise, SimEngine, bind_engine
+
+    em = bind_engine("qwen3-8b-h100")
+    tm = em.time_model
+    e = SimEngine("x", em.policy, em.max_model_len, tm, BatchNoise(tm.params, 1), lambda ev: None)
+    assert e.streamed_at(0.0) is None  # idle
+    e.add_request("a", 2000, 500, 0.0)
+    e.advance(1e-4)
+    assert e.streamed_at(1e-4) is None  # its prompt is still being computed
+    e.advance(0.2)
+    at = e.streamed_at(0.2)
+    assert at is not None
+    assert 0.0 < at <= 0.2
+    assert e.streamed_at(at - 1e-9) is None  # not before that step ended
+
+
 def test_diagnosis_scores_every_candidate(requests: RequestSet) -> None:
     sc = Scenario(PolicySpec("bear"), 12.0, seed=2)
     r = run_scenario(requests, PAPER_POOL, sc, arrival_times("poisson", N, 12.0, 2), diagnose=True)

@@ -124,6 +124,17 @@ class RouterFeedback:
         for hook in self.hooks.on_first_token:
             hook(d, s.name, observed)
 
+    def tokens(self, s: InstanceSlot, now: float | None = None) -> None:
+        """More tokens of a request at ``s`` have come after its first, the latest
+        at ``now`` (default: now): an engine step there ended just before.
+
+        (The first token alone changes what the dispatch overlay shows: later
+        ones move no view, whose rebuild they would cost.)
+        """
+        if now is None:
+            now = self.clock()
+        s.state.on_step_end(now - first_token_overhead(s, now))
+
     def completed(
         self,
         s: InstanceSlot,
@@ -134,6 +145,9 @@ class RouterFeedback:
     ) -> None:
         """A request at ``s`` ended (``"ok"``, ``"error"`` or ``"cancelled"``)."""
         now = self.clock()
+        if outcome == "ok":
+            # Its last token ended an engine step, as every streamed one does.
+            s.state.on_step_end(now - first_token_overhead(s, now))
         s.inflight -= 1
         s.tpot_targets.pop(d.request_id, None)
         out = None if not usage else usage.get("completion_tokens")
@@ -172,6 +186,15 @@ class RouterFeedback:
     def record_first_token(self, decision: Decision, instance: str, ttft_s: float) -> None:
         """Tell the router the request's first token arrived after ``ttft_s`` seconds."""
         self.first_token(self.slot(instance), decision, ttft_s)
+
+    def record_tokens(self, instance: str, *, at: float | None = None) -> None:
+        """Tell the router a token of a request it sent to ``instance`` (after the
+        first) arrived at ``at`` on its clock (default: now), when something
+        else than the router reads the stream. Each ends an engine step:
+        fast-forwarded views place their batch in flight by the latest
+        (``StalenessRules.anchor_steps``, ``docs/snapshots.md``).
+        """
+        self.tokens(self.slot(instance), at)
 
     def record_complete(
         self,

@@ -107,6 +107,7 @@ class ChatStream:
         self._first_at: float | None = None
         self.usage: dict[str, Any] | None = None
         self._tokens = 0
+        self._told = 0  # tokens reported to the router (after the first)
         self._done = False
         self._eof = False
         # Incremental SSE parsing: bytes not yet consumed, from where the line
@@ -239,6 +240,11 @@ class ChatStream:
                     self._end()
                     return None
                 self._parse(piece)
+                if self._tokens > self._told and self._first_at is None and not self._done:
+                    # Tokens after the first (that one is reported once handed
+                    # on): each ended an engine step, which places the views.
+                    self._told = self._tokens
+                    self._core.tokens(self._inst)
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # A timeout here is the request's total budget; the caller's own
                 # budget is not the instance's fault.

@@ -555,6 +555,16 @@ class SimEngine:
 
     # -- the oracle -------------------------------------------------------------
 
+    def streamed_at(self, now: float) -> float | None:
+        """When the latest token a client streaming from here received was produced:
+        the end of the step before the one in flight at ``now``, while a running
+        request decodes (``None`` when idle, or when nothing decodes)."""
+        if self._idle or self._last_start > now:
+            return None
+        if not any(r.outputs > 0 for r in self._core.running):
+            return None
+        return self._last_start
+
     def forecast_ttft(self, prompt_tokens: int, output_len: int, now: float) -> float:
         """True TTFT of a request arriving now, were no other request to arrive after it.
 

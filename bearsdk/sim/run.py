@@ -337,6 +337,11 @@ def run_scenario(
                 recheck(a)
                 t0 = time.perf_counter()
             t1 = time.perf_counter()
+            for j, e in enumerate(engines):
+                # The router streams its requests' tokens: the latest ended a step.
+                at = e.streamed_at(a)
+                if at is not None:
+                    router.record_tokens(names[j], at=at)
             feed.stage(requests.prediction(i))
             d = router.decide(
                 requests.texts[i],

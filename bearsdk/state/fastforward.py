@@ -28,12 +28,17 @@ the end of an engine batch: :meth:`FastForward.first_token` anchors the virtual
 clock there. The virtual engine then runs ``lag`` seconds behind (or ahead of)
 the caller's clock, so that an error of the batch-time model does not pile up
 over the whole age of the snapshot, only since the last first token
-(``docs/snapshots.md``, "Fast-forward").
+(``docs/snapshots.md``, "Fast-forward"). Every later token the router streams
+marks the end of an engine step too, without saying which:
+:meth:`FastForward.step_end` moves the clock so that the nearest step end of
+the virtual engine falls there (the phase of the batch in flight, which a new
+request waits out first).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import attrs
@@ -56,12 +61,20 @@ from bearsdk.snapshot import (
 )
 from bearsdk.state.overlay import Dispatch
 
-__all__ = ["MAX_ANCHOR_BATCHES", "FastForward"]
+__all__ = ["MAX_ANCHOR_BATCHES", "STEP_ENDS_KEPT", "STEP_TOLERANCE_S", "FastForward"]
 
 MAX_ANCHOR_BATCHES = 1024
 """The most batches :meth:`FastForward.first_token` runs on to meet a first
 token the virtual engine has not produced yet (tens of milliseconds of Python
 at most: an anchor the view cannot reach is not worth a stall)."""
+
+STEP_ENDS_KEPT = 64
+"""The virtual engine's latest step ends kept for :meth:`FastForward.step_end`
+(seconds of steps at least: an engine step is a millisecond or more)."""
+
+STEP_TOLERANCE_S = 5e-4
+"""A kept view whose nearest step end is this close to the engine's latest is
+kept (a token's network jitter is smaller; a view rebuilt costs a prepare)."""
 
 
 def _table(doc: dict[str, Any]) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
@@ -121,6 +134,9 @@ class FastForward:
     _watch: set[str] = attrs.field(init=False, factory=set)
     _firsts: dict[str, float] = attrs.field(init=False, factory=dict)
     _last_start: float = attrs.field(init=False, default=-math.inf)
+    # Its latest step ends (offsets from capture, ascending): where a step end
+    # the router saw is placed (step_end).
+    _ends: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=STEP_ENDS_KEPT))
     overran: bool = attrs.field(init=False, default=False)
     """Whether the last anchor found the view further on than the engine."""
 
@@ -149,6 +165,8 @@ class FastForward:
         self._core = core
         self._depth = 2 if pol.async_scheduling else 1
         self._t = snap.inflight_remaining_s or 0.0
+        if self._t > 0.0:
+            self._ends.append(self._t)  # the batch in flight at capture ends then
         self._added = set(snap.ids)
         first_to_come = snap.table[:, COL_OUTPUT] == 0
         self._watch = {rid for rid, w in zip(snap.ids, first_to_come.tolist(), strict=True) if w}
@@ -240,6 +258,8 @@ class FastForward:
                             self._watch.discard(rid)
                             self._firsts[rid] = end
             self._t += dt
+            if dt > 0.0:
+                self._ends.append(self._t)
             if self._batches >= self.max_batches:
                 break  # guards a zero-cost batch model; the snapshot is then approximate
 
@@ -289,6 +309,54 @@ class FastForward:
         upto = (at if now is None else max(at, now - self.captured)) - self.lag
         self.overran = self.lag > was and self._last_start > upto
         return True
+
+    def step_end(self, at: float, now: float | None = None) -> bool:
+        """The engine ended a step ``at`` seconds after capture (a token the router
+        received, its network and HTTP time taken off): move the virtual clock so
+        that the nearest step end of the virtual engine falls there.
+
+        A streamed token says when a step ended, not which one: where the
+        batch-time model has drifted less than half a step since the snapshot
+        (or the last anchor), the nearest is that step, and the view is where
+        the engine is; where it drifted more, the view's steps are one or more
+        off, but the batch in flight at the decision ends when the engine's
+        does (what a new request waits out first). Like :meth:`first_token`,
+        a clock moved back leaves the view :attr:`overran` when it had already
+        simulated past the new clock.
+
+        Args:
+            at: When the step ended, seconds after capture.
+            now: The caller's clock, if it is further on (the view is to be
+                advanced there next).
+
+        Returns:
+            Whether the clock moved.
+        """
+        off = self.step_offset(at)
+        if off == 0.0 or not math.isfinite(off):
+            return False
+        was, self.lag = self.lag, self.lag + off
+        upto = (at if now is None else max(at, now - self.captured)) - self.lag
+        self.overran = self.lag > was and self._last_start > upto
+        return True
+
+    def step_offset(self, at: float) -> float:
+        """How much later the engine's step ended at ``at`` (seconds after capture)
+        than the nearest step end of the virtual engine (``nan``: not a time
+        after capture, or no virtual step to compare with). The virtual engine
+        runs on to ``at`` first if it has not reached it."""
+        if not 0.0 <= at < math.inf:
+            return math.nan
+        v = at - self.lag
+        if not self._idle and self._t <= v:
+            self._run(v)  # the engine is further on: the virtual one catches up
+        best = math.inf
+        for e in reversed(self._ends):
+            if abs(e - v) < abs(best - v):
+                best = e
+            if e < v:  # (ascending: the earlier ones are further still)
+                break
+        return v - best if best != math.inf else math.nan
 
     def _sid(self, rid: str) -> str:
         """``rid`` as the virtual engine names it (a snapshot's id may embed it)."""

@@ -36,7 +36,7 @@ from bearsdk.estimators.bea import BEAEstimator, PreparedSnapshot
 from bearsdk.estimators.length import RememberedLengths
 from bearsdk.snapshot import Snapshot
 from bearsdk.state.cache import CachedSnapshot, SnapshotCache
-from bearsdk.state.fastforward import FastForward
+from bearsdk.state.fastforward import STEP_TOLERANCE_S, FastForward
 from bearsdk.state.overlay import Dispatch, DispatchOverlay
 
 __all__ = ["Estimate", "InstanceState", "StalenessPolicy", "StalenessRules"]
@@ -86,6 +86,10 @@ class StalenessRules:
             sees (:meth:`InstanceState.on_tokens`): closer estimates, but off by
             default, since an accurate view loses the margin a slow profile
             gave and BEAR has no other yet (``docs/snapshots.md``).
+        anchor_steps: Place the batch in flight in fast-forwarded views where
+            the engine's is: every token the router receives ends an engine
+            step (:meth:`InstanceState.on_step_end`,
+            :meth:`~bearsdk.state.fastforward.FastForward.step_end`).
     """
 
     overlay: bool = True
@@ -95,6 +99,7 @@ class StalenessRules:
     overlay_grace_s: float = attrs.field(default=0.05, validator=_age)
     overlay_expire_s: float = attrs.field(default=30.0, validator=_age)
     anchor: bool = False
+    anchor_steps: bool = True
 
     @classmethod
     def paper(cls) -> StalenessRules:
@@ -175,6 +180,10 @@ class InstanceState:
     # whether the fast-forward of the current snapshot has been anchored on it.
     _first: tuple[str, float] | None = attrs.field(init=False, default=None)
     _anchored: tuple[str, float] | None = attrs.field(init=False, default=None)
+    # The latest engine step end seen (engine-side time), and the one the
+    # fast-forward of the current snapshot was placed on.
+    _step_end: float = attrs.field(init=False, default=-math.inf)
+    _placed: float = attrs.field(init=False, default=-math.inf)
     _view_key: tuple[int, int, bool] | None = attrs.field(init=False, default=None)
     _view_at: float = attrs.field(init=False, default=-math.inf)
     _view_until: float = attrs.field(init=False, default=0.0)  # reuse it up to this age
@@ -272,10 +281,23 @@ class InstanceState:
                 clock there (:meth:`FastForward.first_token`).
         """
         self._overlay.progress(rid, output_tokens)
+        if at is not None:
+            self.on_step_end(at)
         if output_tokens == 1 and at is not None and math.isfinite(at) and self.rules.anchor:
             self._first = (rid, at)
             if self._ff is not None and at >= self._ff.captured:
                 self._anchor(self._ff, self.cache.clock())
+
+    def on_step_end(self, at: float) -> None:
+        """An engine step here ended at ``at`` (cache clock): a token the router
+        received, less the network and HTTP time.
+
+        With :attr:`StalenessRules.anchor_steps`, the next fast-forwarded view
+        places its batch in flight there (the latest such time counts; one
+        that is not a finite time is ignored).
+        """
+        if self._step_end < at < math.inf:
+            self._step_end = at
 
     def on_complete(
         self, rid: str, *, now: float | None = None, output_tokens: int | None = None
@@ -432,6 +454,7 @@ class InstanceState:
             and hot[0] is entry
             and self._view_key is hot[1]
             and hot[1][1] == self._overlay.version
+            and self._step_end == self._placed
             and hot[2] is self.rules
             and 0.0 <= dt <= self._view_until
         ):
@@ -505,6 +528,32 @@ class InstanceState:
         if ok or ff.overran:
             self._view_key = None  # the kept view ran on another clock
         return ok
+
+    def _in_step(self, now: float) -> bool:
+        """Whether the kept view agrees with the latest step end seen (to within
+        :data:`~bearsdk.state.fastforward.STEP_TOLERANCE_S`): else it is rebuilt
+        and placed there."""
+        end, ff = self._step_end, self._ff
+        if end == self._placed:
+            return True
+        if (
+            ff is not None
+            and self.rules.anchor_steps
+            and ff.captured <= end <= now
+            and abs(ff.step_offset(end - ff.captured)) > STEP_TOLERANCE_S
+        ):
+            return False
+        self._placed = end  # (nothing to place it by counts as agreeing: nan)
+        return True
+
+    def _place(self, ff: FastForward, now: float) -> bool:
+        """Place ``ff``'s batch in flight at the latest step end seen (once per
+        step end): as :meth:`_anchor`, a view that had run too far is rebuilt."""
+        self._placed = end = self._step_end
+        moved = ff.step_end(end - ff.captured, now)
+        if ff.overran:
+            self._ff = self._fast_forward(ff.snapshot, ff.captured, ff.lag)
+        return moved
 
     def _fast_forward(self, snap: Snapshot, captured: float, lag: float = 0.0) -> FastForward:
         """A view of ``snap`` (on a clock ``lag`` behind), without the requests
@@ -604,7 +653,7 @@ class InstanceState:
             # The estimates replay the view on to the decision (the new request
             # arrives dt after it): exact for as long as fast-forwarding would
             # have done the same (see _forwarded's end).
-            if 0.0 <= dt <= self._view_until:
+            if 0.0 <= dt <= self._view_until and self._in_step(now):
                 self._hot = (entry, self._view_key, self.rules)
                 return view, dt
         try:
@@ -612,6 +661,7 @@ class InstanceState:
                 self._ff = self._fast_forward(entry.snapshot, entry.captured)
                 self._ff_version = entry.version
                 self._anchored = None
+                self._placed = -math.inf
             self._ff.advance(now, pending)
             first = self._first
             if (
@@ -619,6 +669,14 @@ class InstanceState:
                 and first != self._anchored
                 and first[1] >= self._ff.captured
                 and self._anchor(self._ff, now)
+            ):
+                self._ff.advance(now, pending)
+            end = self._step_end
+            if (
+                end != self._placed
+                and self.rules.anchor_steps
+                and self._ff.captured <= end <= now
+                and self._place(self._ff, now)
             ):
                 self._ff.advance(now, pending)
             ff = self._ff
