@@ -96,6 +96,9 @@ def test_scenarios_expand_variants_and_axes(small: Path) -> None:
     assert {sc.delta for sc in stale if sc.policy.name == "lagrangian"} == {0.5, 2.0}
     assert {sc.delta for sc in stale if sc.policy.name != "lagrangian"} == {None}
     assert cfg.pool[1].time_params().noise_sigma == 0.0
+    assert not any(sc.online_batch_time for sc in scs)
+    online = attrs.evolve(cfg, batch_time="online")
+    assert all(sc.online_batch_time for sc in online.scenarios())
 
 
 POOL_8B = {"name": "a", "model": "Qwen/Qwen3-8B", "engine": "qwen3-8b-h100"}

@@ -199,6 +199,34 @@ def test_batch_log_fits_eq12_to_the_ground_truth() -> None:
     assert fit.mape < 0.06
 
 
+def test_batches_are_taken_once_each_as_they_come() -> None:
+    eng = _engine("qwen3-0.6b-h100", {}, 7, True, [])
+    eng.log_batches = True
+    feats, y = eng.take_batches()
+    assert len(y) == 0
+    got_f, got_y = [feats], [y]
+    for t, rid, p, o in _arrivals(8, 80, 6.0):
+        eng.advance(t)
+        eng.add_request(rid, p, o, t)
+        f, d = eng.take_batches()
+        got_f.append(f)
+        got_y.append(d)
+    eng.drain()
+    f, d = eng.take_batches()
+    got_f.append(f)
+    got_y.append(d)
+
+    # Every batch once, decode runs included: the whole log (batch_log lists
+    # the decode runs last; taken as they come, they are interleaved).
+    def rows(f: np.ndarray, y: np.ndarray) -> np.ndarray:
+        a = np.column_stack([f, y])
+        return a[np.lexsort(a.T[::-1])]
+
+    all_f, all_y = eng.batch_log()
+    assert np.array_equal(rows(np.concatenate(got_f), np.concatenate(got_y)), rows(all_f, all_y))
+    assert len(eng.take_batches()[1]) == 0
+
+
 def test_scheduler_core_is_the_engines_own() -> None:
     eng = _engine("qwen3-8b-h100", {}, 1, True, [])
     assert isinstance(eng.core, SchedulerCore)

@@ -126,6 +126,19 @@ def test_streamed_tokens_place_stale_views_where_the_engines_are(requests: Reque
     assert on.ttft_mape["fast-forward"] < 0.8 * off.ttft_mape["fast-forward"]
 
 
+def test_online_batch_time_refits_the_routers_coefficients_as_batches_come(
+    requests: RequestSet,
+) -> None:
+    # The profiles are not the simulated hardware (test_calibration_fits_...):
+    # following the engines' batch records, as AsyncRouter follows
+    # /bear/batches, the router's estimates of fresh snapshots close in on it.
+    profile = _run(requests, "bear", rate=8.0)
+    online = _run(requests, "bear", rate=8.0, online_batch_time=True)
+    assert online.ttft_mape["bea"] < 0.7 * profile.ttft_mape["bea"]
+    assert online.speed is not None
+    assert profile.speed is not None
+
+
 def test_an_engine_streams_while_something_decodes() -> None:
     from bearsdk.sim.engine import BatchNoise, SimEngine, bind_engine
 

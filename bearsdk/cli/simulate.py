@@ -54,9 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--batch-time",
-        choices=("profile", "calibrated"),
+        choices=("profile", "calibrated", "online"),  # (sim.scenario.BATCH_TIME_MODES)
         default=None,
-        help="override router.batch_time (the router's eq. 12 coefficients)",
+        help="override router.batch_time (the router's eq. 12 coefficients: the "
+        "profiles, fitted before the runs, or refitted online from the engines' batches)",
     )
     p.add_argument(
         "--router-staleness",

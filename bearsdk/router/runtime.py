@@ -30,9 +30,13 @@ if TYPE_CHECKING:
     from bearsdk.io.hop import HopSession
     from bearsdk.prefix_cache import PrefixCacheState
 
-__all__ = ["InstanceRuntime"]
+__all__ = ["REBASE_EVERY", "InstanceRuntime"]
 
 log = logging.getLogger("bearsdk.router")
+
+REBASE_EVERY = 32
+"""Accepted batch records between two rebases of an instance's coefficients on
+its online fit (each rebase restarts the speed factor on the new base)."""
 
 
 @attrs.define
@@ -174,5 +178,5 @@ class InstanceRuntime:
                 accepted += 1
                 # The engine's own batch times beat snapshot evidence: they
                 # become the base, and the speed factor starts over on them.
-                if accepted % 32 == 0 and self.core.find(slot.name) is slot:
+                if accepted % REBASE_EVERY == 0 and self.core.find(slot.name) is slot:
                     self.core.rebase(slot.name, online.model)

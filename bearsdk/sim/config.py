@@ -11,6 +11,8 @@
                                     # | a table of StalenessRules fields over the default
     batch_time = "profile"          # profile (each instance's eq. 12 profile) | calibrated
                                     # (fitted to the simulated instance's batches first)
+                                    # | online (refitted as the engines report their
+                                    # batches, as AsyncRouter follows /bear/batches)
     predictor = "default"           # default | alpaca-eval | path/to/predictor.bearpred
     resident_lengths = "predicted"  # predicted | calibrated (quantiles of completed lengths)
     speed = "learned"               # learned (each instance's speed, from its snapshots)
@@ -84,6 +86,7 @@ import attrs
 from bearsdk.errors import BearError
 from bearsdk.gateway.config import ADMISSION_MODES
 from bearsdk.sim.scenario import (
+    BATCH_TIME_MODES,
     MARGIN_MODES,
     ORACLE,
     ORACLE_LATENCY,
@@ -212,7 +215,8 @@ class SimConfig:
         requests: Requests per run.
         seeds: Seeds; every run repeats for each.
         router_staleness: The router's staleness handling.
-        batch_time: ``"profile"`` or ``"calibrated"`` (the router's eq. 12).
+        batch_time: ``"profile"``, ``"calibrated"`` or ``"online"`` (the
+            router's eq. 12: see :data:`BATCH_TIME_MODES`).
         resident_lengths: The router's ``resident_lengths``.
         speed: ``"learned"`` (the router learns each instance's speed from its
             snapshots) or ``"profile"`` (it replays with the coefficients as
@@ -272,6 +276,7 @@ class SimConfig:
                             resident_lengths=self.resident_lengths,
                             speed=self.speed,
                             margin=self.margin,
+                            online_batch_time=self.batch_time == "online",
                             admission=adm,
                             queue_size=sw.queue_size,
                             max_wait_ms=sw.max_wait_ms,
@@ -662,9 +667,10 @@ def parse_config(doc: Mapping[str, Any], source: str = "") -> SimConfig:
     )
     staleness = _staleness(router.get("staleness", "default"))
     batch_time = _str("router", router, "batch_time", "profile")
-    if batch_time not in ("profile", "calibrated"):
+    if batch_time not in BATCH_TIME_MODES:
         raise SimConfigError(
-            f"router.batch_time must be 'profile' or 'calibrated' (got {batch_time!r})"
+            f"router.batch_time must be one of {', '.join(map(repr, BATCH_TIME_MODES))} "
+            f"(got {batch_time!r})"
         )
     lengths = _str("router", router, "resident_lengths", "predicted")
     if lengths not in ("predicted", "calibrated"):

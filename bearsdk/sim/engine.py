@@ -197,6 +197,7 @@ class SimEngine:
     _lines: dict[int, tuple[float, float] | None] = attrs.field(init=False, factory=dict)
     _log: list[tuple[float, float, float, float, float]] = attrs.field(init=False, factory=list)
     _log_runs: list[npt.NDArray[np.float64]] = attrs.field(init=False, factory=list)
+    _taken: tuple[int, int] = attrs.field(init=False, default=(0, 0))  # take_batches' cursor
 
     def __attrs_post_init__(self) -> None:
         self._core = SchedulerCore(self.policy)
@@ -231,6 +232,16 @@ class SimEngine:
         parts = [np.array(self._log, dtype=np.float64).reshape(-1, 5), *self._log_runs]
         a = np.concatenate(parts) if parts else np.zeros((0, 5))
         return a[:, :4].copy(), a[:, 4].copy()
+
+    def take_batches(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """:meth:`batch_log`'s batches logged since the last call (what an engine's
+        ``/bear/batches`` stream has sent meanwhile; the batch in flight's
+        record comes as it starts, its duration already drawn)."""
+        i, j = self._taken
+        parts = [np.array(self._log[i:], dtype=np.float64).reshape(-1, 5), *self._log_runs[j:]]
+        self._taken = (len(self._log), len(self._log_runs))
+        a = np.concatenate(parts)
+        return a[:, :4], a[:, 4]
 
     @property
     def run_steps(self) -> int:

@@ -37,11 +37,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from bearsdk.estimators.batch_time import OnlineBatchTime
 from bearsdk.predictors.protocol import StagedPredictor
 from bearsdk.router import InstanceConfig
 from bearsdk.router.core import DEFAULT_SPEED, RouterCore
 from bearsdk.router.decision import Decision
 from bearsdk.router.margin import DEFAULT_MARGIN
+from bearsdk.router.runtime import REBASE_EVERY
 from bearsdk.selectors import make_selector
 from bearsdk.sim.admission import SEND, SimAdmission
 from bearsdk.sim.engine import COMPLETE, BatchNoise, EngineEvent, SimEngine, bind_engine
@@ -184,6 +186,7 @@ def run_scenario(
                 sink(j),
                 decode_runs=decode_runs,
                 speed_changes=spec.speed_changes,
+                log_batches=scenario.online_batch_time,
             )
         )
         engine_flags.append(router_params(spec.scheduler, em.policy))
@@ -236,6 +239,13 @@ def run_scenario(
         for e in engines:
             e.plan_captures([*(times - delay).tolist(), *(t - delay for t in tail)])
     caches = [router.cache(nm) for nm in names] if router is not None else []
+    # The router's online eq. 12 fits, fed each engine's batch records as they
+    # come and rebased on every 32 accepted, as AsyncRouter's runtime does.
+    fits = (
+        [_OnlineFit(router.slot(nm).batch_time) for nm in names]
+        if router is not None and scenario.online_batch_time
+        else []
+    )
     sources = [_simulated_source(c) for c in configs] if router is not None else []
     offered = [-1] * len(engines)
     # What each source handed over and when the router may first see it.
@@ -342,6 +352,8 @@ def run_scenario(
                 at = e.streamed_at(a)
                 if at is not None:
                     router.record_tokens(names[j], at=at)
+                if fits and fits[j].feed(*e.take_batches()):
+                    router.rebase(names[j], fits[j].online.model)
             feed.stage(requests.prediction(i))
             d = router.decide(
                 requests.texts[i],
@@ -402,6 +414,23 @@ def run_scenario(
             result, timeline=_timeline(times, first, requests.targets_s, trace or [])
         )
     return result
+
+
+@attrs.define
+class _OnlineFit:
+    """One instance's online eq. 12 fit, as the router's runtime keeps it."""
+
+    online: OnlineBatchTime = attrs.field(converter=OnlineBatchTime)
+    _accepted: int = 0
+
+    def feed(self, features: npt.NDArray[np.float64], durations: npt.NDArray[np.float64]) -> bool:
+        """Fold in batch records; whether a rebase is due (every 32 accepted)."""
+        due = False
+        for f, d in zip(features.tolist(), durations.tolist(), strict=True):
+            if self.online.observe(f[0], f[1], f[2], f[3], d):
+                self._accepted += 1
+                due = due or self._accepted % REBASE_EVERY == 0
+        return due
 
 
 def _factors(router: RouterCore, names: Sequence[str]) -> dict[str, float]:

@@ -22,6 +22,7 @@ from bearsdk.schedulers import Policy
 from bearsdk.state import StalenessRules
 
 __all__ = [
+    "BATCH_TIME_MODES",
     "MARGIN_MODES",
     "ORACLE",
     "ORACLE_LATENCY",
@@ -39,6 +40,10 @@ __all__ = [
 
 TIMELINE_WINDOW_S: Final = 5.0
 """Width of a :attr:`RunResult.timeline` window, seconds of arrivals."""
+
+BATCH_TIME_MODES: Final = ("profile", "calibrated", "online")
+"""The router's eq. 12 coefficients: each instance's profile, a fit to its
+batches before the runs, or refitted online from the batches it reports."""
 
 SPEED_MODES: Final = ("learned", "profile")
 """How the router prices an instance's batches: its speed learned, or the profile as is."""
@@ -224,6 +229,11 @@ class Scenario:
         margin: ``"off"`` (the router's default): it uses the point
             estimates; ``"learned"``: it widens each instance's TTFT estimates
             by its first tokens' spread (:mod:`bearsdk.router.margin`).
+        online_batch_time: The router follows each engine's batch records (as
+            ``AsyncRouter`` follows ``/bear/batches`` from the vLLM plugin or
+            the emulator) and refits its eq. 12 coefficients online
+            (:class:`~bearsdk.estimators.batch_time.OnlineBatchTime`; the
+            configuration's ``batch_time = "online"``).
         admission: What happens to a request no instance is predicted to serve
             on time: one of :data:`~bearsdk.gateway.config.ADMISSION_MODES`, as
             the gateway applies it (:mod:`bearsdk.sim.admission`; the oracles
@@ -244,6 +254,7 @@ class Scenario:
     resident_lengths: str = "predicted"
     speed: str = "learned"
     margin: str = "off"
+    online_batch_time: bool = False
     admission: str = "best-effort"
     queue_size: int = 1024
     max_wait_ms: float = 0.0
