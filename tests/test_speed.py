@@ -208,6 +208,34 @@ def test_the_tracker_refuses_what_cannot_be() -> None:
         SpeedTracker(MODEL, min_factor=2.0, max_factor=1.0)
 
 
+def test_a_new_base_prices_the_evidence_again_rather_than_dropping_it() -> None:
+    # The snapshots showed the engine 2x slower; an online fit that lags says
+    # 1.5x so far: the model stays 2x (factor 2 / 1.5), not back to 1.5x.
+    tr = SpeedTracker(MODEL, per_term=False)
+    for k in range(30):
+        assert tr.observe(SpeedInterval(10, 0.2, 0.1, 0, 10, (0.02, 0.08, 0.0, 0.0)), k * 0.2)
+    assert tr.factor == pytest.approx(2.0, rel=0.01)
+    f, err, model = tr.factor, tr.stderr, tr.model
+    lagging = attrs.evolve(MODEL, b0=1.5 * MODEL.b0, b1=1.5 * MODEL.b1)
+    tr.rebase(lagging)
+    assert tr.base is lagging
+    assert tr.factor == pytest.approx(f / 1.5, rel=1e-9)
+    assert tr.stderr == pytest.approx(err / 1.5, rel=1e-6)
+    # The terms the evidence priced are what they were (one factor for all:
+    # those it never saw follow it).
+    assert tr.model.b0 == pytest.approx(model.b0, rel=1e-9)
+    assert tr.model.b1 == pytest.approx(model.b1, rel=1e-9)
+    # One term only moved: the evidence's own mix decides (here 20 % per batch).
+    tr.rebase(attrs.evolve(lagging, b0=3 * lagging.b0))
+    assert tr.factor == pytest.approx(f / 1.5 / (0.2 * 3 + 0.8), rel=1e-9)
+    # Without evidence, or priced at nothing, it starts over.
+    fresh = SpeedTracker(MODEL)
+    fresh.rebase(lagging)
+    assert fresh.factor == 1.0
+    tr.rebase(attrs.evolve(MODEL, b0=0.0, b1=0.0))
+    assert tr.factor == 1.0
+
+
 def test_per_term_factors_separate_what_the_evidence_separates() -> None:
     # Decode-only stretches run 2x slow on the per-batch term, prefill stretches
     # are exact on the dense term: one overall factor would misprice both.
@@ -296,10 +324,17 @@ def test_the_router_replays_with_the_learned_speed(learn: bool) -> None:
     d = core.decide("hello there", ttft_target=1.0)
     assert d.chosen.speed_factor == pytest.approx(sp.factor, rel=0.05)
     assert f"speed x{d.chosen.speed_factor:.2f}" in d.explain()
-    # New base coefficients (an online fit) restart the factor against them.
+    # New base coefficients (an online fit): the evidence is priced again with
+    # them, so the model it learned stays what it was.
     core.rebase("a", base)
-    assert core.speed("a").factor == 1.0
-    assert est.batch_time == base
+    assert core.speed("a").factor == pytest.approx(sp.factor, rel=1e-9)
+    before = est.batch_time
+    # (Half the times: every factor doubles, none meets the floor of 1.)
+    half = attrs.evolve(base, b0=base.b0 / 2, b1=base.b1 / 2, b2=base.b2 / 2, b3=base.b3 / 2)
+    core.rebase("a", half)
+    assert core.speed("a").factor == pytest.approx(sp.factor * 2, rel=1e-9)
+    for a, b in zip(est.batch_time.coeffs, before.coeffs, strict=True):
+        assert a == pytest.approx(b, rel=1e-9)
 
 
 def test_a_failing_listener_costs_no_snapshot(caplog: pytest.LogCaptureFixture) -> None:

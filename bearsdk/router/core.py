@@ -336,7 +336,9 @@ class RouterCore(RouterFeedback):
     def rebase(self, name: str, model: BatchTimeModel) -> None:
         """Give ``name`` new base eq. 12 coefficients (e.g. an online fit of its batches).
 
-        The learned speed factor starts over against them.
+        The speed evidence learned so far is priced again with them
+        (:meth:`~bearsdk.state.speed.SpeedTracker.rebase`): the model it gave
+        holds until new evidence moves it.
         """
         slot = self.slot(name)
         if slot.speed is None:

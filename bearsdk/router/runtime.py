@@ -36,7 +36,8 @@ log = logging.getLogger("bearsdk.router")
 
 REBASE_EVERY = 32
 """Accepted batch records between two rebases of an instance's coefficients on
-its online fit (each rebase restarts the speed factor on the new base)."""
+its online fit (each rebase prices the speed evidence again on the new base:
+:meth:`~bearsdk.state.speed.SpeedTracker.rebase`)."""
 
 
 @attrs.define
@@ -177,6 +178,6 @@ class InstanceRuntime:
             if online.observe_batch(obs):
                 accepted += 1
                 # The engine's own batch times beat snapshot evidence: they
-                # become the base, and the speed factor starts over on them.
+                # become the base; the speed evidence is priced again on them.
                 if accepted % REBASE_EVERY == 0 and self.core.find(slot.name) is slot:
                     self.core.rebase(slot.name, online.model)

@@ -226,6 +226,18 @@ class SpeedEstimate:
         )
 
 
+def _term_ratios(old: BatchTimeModel, new: BatchTimeModel) -> np.ndarray | None:
+    """Each eq. 12 coefficient of ``new`` over ``old`` (``None``: one that is not a
+    finite ratio >= 0; a term ``old`` prices at nothing keeps its evidence as is)."""
+    out = []
+    for a, b in zip(old.coeffs, new.coeffs, strict=True):
+        r = b / a if a > 0.0 else 1.0
+        if not (math.isfinite(r) and r >= 0.0):
+            return None
+        out.append(r)
+    return np.array(out)
+
+
 def _positive(inst: object, att: attrs.Attribute[float], value: float) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         raise ValueError(f"{att.name} must be a finite number > 0 (got {value!r})")
@@ -270,6 +282,8 @@ class SpeedTracker:
     # Per-term normal equations, weighted by 1 / predicted (variance grows with length).
     _gram: np.ndarray = attrs.field(init=False, factory=lambda: np.zeros((4, 4)))
     _rhs: np.ndarray = attrs.field(init=False, factory=lambda: np.zeros(4))
+    # Forgetting-weighted sums of the predicted time per term (what rebase re-prices).
+    _terms: np.ndarray = attrs.field(init=False, factory=lambda: np.zeros(4))
     # Forgetting-weighted sums: observed, predicted, observed^2 / predicted, count.
     _obs: float = attrs.field(init=False, default=0.0)
     _pred: float = attrs.field(init=False, default=0.0)
@@ -299,6 +313,7 @@ class SpeedTracker:
         self._n = 1.0
         self._gram = np.zeros((4, 4))
         self._rhs = np.zeros(4)
+        self._terms = np.zeros(4)
         self._model = None
         self._solved = self._intervals
         self._factor = self._clamped()
@@ -307,10 +322,38 @@ class SpeedTracker:
         return min(max(self._obs / self._pred, self.min_factor), self.max_factor)
 
     def rebase(self, model: BatchTimeModel) -> None:
-        """New base coefficients (an online fit of the engine's own batch times):
-        the evidence priced with the old ones is dropped."""
-        self.base = model
-        self._reset()
+        """New base coefficients (an online fit of the engine's own batch times).
+
+        The evidence priced with the old ones is priced again with the new, term
+        by term (each term's predicted time scales with its coefficient), so that
+        :attr:`model` stays what it was on that evidence and the factors then
+        follow the evidence to come. An online fit forgets slowly (hundreds of
+        batches): rebased every few dozen batches, a tracker that started over
+        would throw away, again and again, the change of speed the snapshots
+        had already shown it, and underprice the engine until the fit caught
+        up. Evidence without its terms, or a new base that prices it at
+        nothing, starts over.
+        """
+        old, self.base = self.base, model
+        scale = _term_ratios(old, model)
+        total = float(self._terms.sum())
+        pred = self._pred
+        if scale is None or not total > 0.0:
+            self._reset()
+            return
+        new_pred = pred * float(scale @ self._terms) / total
+        if not (math.isfinite(new_pred) and new_pred > 0.0):
+            self._reset()
+            return
+        self._pred = new_pred
+        # (obs^2 / pred: the residual sum behind stderr keeps its proportion.)
+        self._sq *= pred / new_pred
+        self._terms = self._terms * scale
+        self._gram = self._gram * np.outer(scale, scale)
+        self._rhs = self._rhs * scale
+        self._model = None
+        self._solved = self._intervals
+        self._factor = self._clamped()
 
     @property
     def factor(self) -> float:
@@ -387,13 +430,15 @@ class SpeedTracker:
             self._n *= keep
             self._gram *= keep
             self._rhs *= keep
+            self._terms *= keep
         self._last = max(self._last, at)
         self._obs += obs
         self._pred += pred
         self._sq += obs * obs / pred
         self._n += 1.0
+        x = np.array(interval.terms)
+        self._terms += x
         if self.per_term:
-            x = np.array(interval.terms)
             self._gram += np.outer(x, x) / pred
             self._rhs += x * (obs / pred)
         self._factor = self._clamped()
