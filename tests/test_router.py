@@ -409,3 +409,24 @@ def test_record_tokens_tells_the_instance_a_step_ended(monkeypatch: pytest.Monke
     assert got == [9.5, 10.0]
     with pytest.raises(BearError, match="nowhere"):
         core.record_tokens("nowhere", at=1.0)
+
+
+def test_an_instance_without_snapshots_places_no_steps() -> None:
+    # Its snapshots are the router's shadow view (counts from /metrics), not the
+    # engine's steps: there is no batch in flight to place on its tokens.
+    from bearsdk.router.core import RouterCore
+
+    def cfg(name: str, snapshots: str) -> InstanceConfig:
+        return InstanceConfig(
+            name=name,
+            url="http://127.0.0.1:9",
+            model="Qwen/Qwen3-8B",
+            profile="qwen3-8b-h100",
+            snapshots=snapshots,
+        )
+
+    core = RouterCore([cfg("a", "push"), cfg("b", "metrics")], BEAR())
+    assert core.slot("a").state.rules.anchor_steps
+    assert core.slot("a").shadow is None
+    assert core.slot("b").shadow is not None
+    assert not core.slot("b").state.rules.anchor_steps

@@ -15,8 +15,10 @@ router estimates its TTFT from the latest snapshot it can see, four ways:
 * ``fast-forward``: the snapshot advanced to now first (no dispatches);
 * ``overlay+ff``: both (the dispatches arrive at their dispatch times).
 
-then dispatches it. The router learns of its own requests' first tokens and
-completions when they happen (it streams them), and of nothing else. Snapshots
+then dispatches it. The router learns of its own requests' first tokens, later
+tokens and completions when they happen (it streams them; each ends an engine
+step, which fast-forwarded views are placed on: ``StalenessRules.anchor_steps``),
+and of nothing else. Snapshots
 carry no output lengths (as from a real engine): the estimator predicts them
 with the workload's mean. The score is the mean absolute percentage error of the
 predicted TTFT over the router's requests.
@@ -145,7 +147,8 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
     arrivals = deque(workload.arrivals())
     published: deque[tuple[float, int, dict[str, Any]]] = deque()
     horizon = max(delays) + 1.0
-    events: list[tuple[float, int, str]] = []  # (time, 0 first token | 1 completion, id)
+    # (time, 0 first token | 1 completion | 2 a later token, id)
+    events: list[tuple[float, int, str]] = []
     arrived: dict[str, float] = {}
     first: dict[str, float] = {}
     estimates: dict[tuple[float, str], dict[str, float]] = {k: {} for k in states}
@@ -163,8 +166,12 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
     shadow_view = ShadowView(
         "bench", clock=lambda: clock[0], prefill_tokens_per_s=nominal_theta_pre(COEFFS, budget)
     )
+    # (As the router keeps a shadow-fed instance: nothing to place its steps by.)
     shadow = InstanceState(
-        shadow_cache, est, fallback=None, rules=StalenessRules(fallback_after_s=math.inf)
+        shadow_cache,
+        est,
+        fallback=None,
+        rules=StalenessRules(fallback_after_s=math.inf, anchor_steps=False),
     )
     shadow_est: dict[str, float] = {}
     polls: deque[tuple[float, EngineMetrics]] = deque()
@@ -179,9 +186,14 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
             et, kind, rid = heapq.heappop(events)
             for st in (*states.values(), shadow):
                 if kind == 0:
-                    st.on_tokens(rid, 1)
+                    st.on_tokens(rid, 1, at=et)
+                elif kind == 2:
+                    st.on_step_end(et)
                 else:
+                    st.on_step_end(et)
                     st.on_complete(rid, now=et)
+            if kind == 2:
+                continue
             if kind == 0:
                 shadow_view.on_tokens(rid, 1)
             else:
@@ -240,11 +252,16 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
             )
             polls.append((next_poll, m))
             next_poll += METRICS_S
+        streamed = False
         for r in batch.sampled:
             if r.rid not in first:
                 first[r.rid] = t + dt
                 if r.rid.startswith("q"):
                     heapq.heappush(events, (t + dt, 0, r.rid))
+            elif not streamed and r.rid.startswith("q"):
+                # One of the router's streams gets a token: this step ended then.
+                streamed = True
+                heapq.heappush(events, (t + dt, 2, ""))
         core.queue.append(batch)
         if len(core.queue) >= depth:
             out = core.process(core.queue.popleft())
