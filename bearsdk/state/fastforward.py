@@ -332,6 +332,10 @@ class FastForward:
         Returns:
             Whether the clock moved.
         """
+        if not 0.0 <= at < math.inf:
+            return False
+        if not self._idle and self._t <= at - self.lag:
+            self._run(at - self.lag)  # the engine is further on: the virtual one catches up
         off = self.step_offset(at)
         if off == 0.0 or not math.isfinite(off):
             return False
@@ -342,14 +346,13 @@ class FastForward:
 
     def step_offset(self, at: float) -> float:
         """How much later the engine's step ended at ``at`` (seconds after capture)
-        than the nearest step end of the virtual engine (``nan``: not a time
-        after capture, or no virtual step to compare with). The virtual engine
-        runs on to ``at`` first if it has not reached it."""
+        than the nearest step end the virtual engine has reached (``nan``: not
+        a time after capture, or no virtual step to compare with). Changes
+        nothing: an engine further on than the view gives how far it is past
+        the view's batch in flight."""
         if not 0.0 <= at < math.inf:
             return math.nan
         v = at - self.lag
-        if not self._idle and self._t <= v:
-            self._run(v)  # the engine is further on: the virtual one catches up
         best = math.inf
         for e in reversed(self._ends):
             if abs(e - v) < abs(best - v):

@@ -672,13 +672,12 @@ class InstanceState:
             ):
                 self._ff.advance(now, pending)
             end = self._step_end
-            if (
-                end != self._placed
-                and self.rules.anchor_steps
-                and self._ff.captured <= end <= now
-                and self._place(self._ff, now)
-            ):
-                self._ff.advance(now, pending)
+            if end != self._placed:
+                if self.rules.anchor_steps and self._ff.captured <= end <= now:
+                    if self._place(self._ff, now):
+                        self._ff.advance(now, pending)
+                else:
+                    self._placed = end  # (from before the snapshot: nothing to place)
             ff = self._ff
             snap = ff.at(now)
             self._view = self.estimator.prepare(snap)
