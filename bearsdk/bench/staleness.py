@@ -187,10 +187,9 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
             for st in (*states.values(), shadow):
                 if kind == 0:
                     st.on_tokens(rid, 1, at=et)
-                elif kind == 2:
-                    st.on_step_end(et)
-                else:
-                    st.on_step_end(et)
+                    continue
+                st.on_step_end(et)  # a later token, or the last
+                if kind == 1:
                     st.on_complete(rid, now=et)
             if kind == 2:
                 continue

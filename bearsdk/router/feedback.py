@@ -146,8 +146,7 @@ class RouterFeedback:
         """A request at ``s`` ended (``"ok"``, ``"error"`` or ``"cancelled"``)."""
         now = self.clock()
         if outcome == "ok":
-            # Its last token ended an engine step, as every streamed one does.
-            s.state.on_step_end(now - first_token_overhead(s, now))
+            self.tokens(s, now)  # its last token ended a step, as every streamed one does
         s.inflight -= 1
         s.tpot_targets.pop(d.request_id, None)
         out = None if not usage else usage.get("completion_tokens")
