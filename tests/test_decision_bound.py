@@ -90,6 +90,44 @@ def test_the_bound_counts_the_queue_only_where_nothing_overtakes() -> None:
     assert capped.bound(capped.prepare(snap), 100) == pytest.approx(100 * 1e-4, rel=1e-6)
 
 
+def test_a_padded_budget_lets_a_short_prompt_overtake_and_the_bound_knows() -> None:
+    # Found by the property test above: counted padded (sequences x longest
+    # chunk), a running request's 9-token rest does not fit beside a decode,
+    # and the new 1-token prompt does; it is served first.
+    import attrs
+
+    from bearsdk.schedulers import bind_scheduler
+
+    pol = attrs.evolve(
+        bind_scheduler("prefill-first"),
+        token_budget=16,
+        max_seqs=5,
+        budget_count="padded",
+        stages=("running", "waiting"),
+        chunked_prefill=False,
+        chunk_cap=0,
+        on_blocked="stop",
+        async_scheduling=False,
+    )
+    table = np.array(
+        [
+            [0, 1, 1, 0, 1, 1, 0],
+            [0, 1, 1, 1, 2, 2, 0],
+            [0, 1, 1, 0, 1, 1, 0],
+            [0, 10, 1, 0, 1, 1, 0],
+        ]
+    )
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=("a", "b", "c", "d"), table=table)
+    for impl in IMPLS:
+        est = BEAEstimator(pol, MODELS[0], implementation=impl)
+        prep = est.prepare(snap)
+        full = est.estimate(prep, 1, 1).ttft_s
+        assert prep.ahead == (0.0, 0.0)
+        assert 0.0 < est.bound(prep, 1) <= full
+        tokens = attrs.evolve(pol, budget_count="tokens")
+        assert BEAEstimator(tokens, MODELS[0], implementation=impl).prepare(snap).ahead[0] == 9.0
+
+
 def _deep_router(horizon_factor: float, clock: list[float]):
     import numpy as np
 

@@ -177,3 +177,22 @@ def test_session_affinity_keeps_a_session_on_one_instance_and_spreads_sessions()
     more = [_ring_pick(k, [*names, "d"]) for k in range(3000)]
     assert all(m in (p, 3) for p, m in zip(picks, more, strict=True))
     assert more.count(3) > 300
+
+
+def test_the_bench_compares_each_rate_with_blind_bear_and_the_best_baseline() -> None:
+    from bearsdk.bench.prefix_routing import rate_summary
+
+    def run(policy: str, otu: float, slo: float) -> dict[str, object]:
+        return {"policy": policy, "on_time_utility": otu, "slo_attainment": slo}
+
+    runs = [
+        run("bear-cache", 0.6, 0.99),
+        run("bear", 0.5, 0.93),
+        run("llm-d-prefix", 0.55, 0.98),
+        run("dynamo-kv", 0.4, 0.9),
+    ]
+    line = rate_summary(runs)
+    assert "bear-cache vs bear +20.0 % (bear on time 93.0 %)" in line
+    assert "vs the best baseline, llm-d-prefix, +9.1 %" in line
+    assert rate_summary(runs[1:]) == ""  # nothing to compare
+    assert rate_summary(runs[:1]) == ""

@@ -4,6 +4,7 @@ TPOT term, and the router asking BEA to follow the first tokens."""
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import anyio
@@ -312,7 +313,8 @@ def test_a_fast_forwarded_view_keeps_the_block_pool_and_its_hits() -> None:
     assert hit.ttft_s < 0.5 * miss.ttft_s
 
 
-def test_expected_arrivals_lengthen_the_ttft_by_at_most_one_batch() -> None:
+def test_expected_arrivals_ride_in_the_last_batch_and_fill_one_budget_at_most() -> None:
+    from bearsdk.bench.decisions import _snapshot as _queued
     from bearsdk.bench.router import _configs
     from bearsdk.predictors import Predictor
     from bearsdk.router.core import RouterCore
@@ -337,9 +339,26 @@ def test_expected_arrivals_lengthen_the_ttft_by_at_most_one_batch() -> None:
     co = s.state.estimator.replay_coeffs
     rho = s.stats.prefill_load(10.0, co[1], co[3])
     assert 0.0 < rho < 0.9
-    assert _ttft_arrivals(0.1, s, 10.0) == pytest.approx(0.1 * rho)
+    # Only what arrives before the batch that computes the prompt's last chunk
+    # is scheduled rides in it: the window is the TTFT less that chunk's terms.
+    final = co[0] + co[1] * 1 + co[3] * 1
+    assert _ttft_arrivals(0.1, s, 10.0) == pytest.approx((0.1 - final) * rho)
+    budget = s.scheduler.token_budget
+    p = budget + 100  # two chunks: the last is 100 tokens after ``budget``
+    final = co[0] + co[1] * 100 + co[3] * (100 * budget + 100 * 101 / 2)
+    assert _ttft_arrivals(0.2, s, 10.0, p) == pytest.approx((0.2 - final) * rho)
+    # A cached prefix leaves a short last chunk, attending to the cached tokens.
+    final = co[0] + co[1] * 20 + co[3] * (20 * (p - 20) + 20 * 21 / 2)
+    assert _ttft_arrivals(0.2, s, 10.0, p, p - 20) == pytest.approx((0.2 - final) * rho)
+    # A TTFT that is that batch alone leaves no window.
+    assert _ttft_arrivals(final, s, 10.0, p, p - 20) == 0.0
     # However long the wait, the prompts that come fill one batch at most.
-    assert _ttft_arrivals(100.0, s, 10.0) == pytest.approx(co[1] * s.scheduler.token_budget)
+    assert _ttft_arrivals(100.0, s, 10.0) == pytest.approx(co[1] * budget)
+    # Queues ahead: the last chunk's batch comes after a wait for others to ride in.
+    for c in (plain, expecting):
+        rng = random.Random(3)
+        for name in c.instances:
+            c.cache(name).offer(_queued(name, rng, 10.0, 10), received=10.0)
     d0, d1 = plain.decide(MSG, ttft_target=5.0), expecting.decide(MSG, ttft_target=5.0)
     for a, b in zip(d0.candidates, d1.candidates, strict=True):
         assert a.arrivals_s == 0.0

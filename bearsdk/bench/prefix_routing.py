@@ -22,9 +22,10 @@ from typing import Any
 
 from bearsdk.cli import positive_int
 
-__all__ = ["register"]
+__all__ = ["rate_summary", "register"]
 
 _TRACE = "conversation_trace.jsonl"
+_BASELINES = ("llm-d-prefix", "dynamo-kv", "session-affinity")
 
 
 def _rates(text: str) -> list[float]:
@@ -80,10 +81,42 @@ def _main(args: argparse.Namespace) -> int:
                     f"turns {r.turns} ({comp})",
                     flush=True,
                 )
+        if not args.json:
+            verdict = rate_summary(runs[-len(args.policies) :])
+            if verdict:
+                print(f"{rate:6g}/s {verdict}", flush=True)
     if args.json:
         print(json.dumps(runs, indent=2))
     sys.stdout.flush()
     return 0
+
+
+def rate_summary(runs: list[dict[str, Any]]) -> str:
+    """One rate's comparison: BEAR with the cache against BEAR without it (and
+    how often the latter met its targets) and against the best prefix-aware
+    baseline, by OnTimeUtility; empty when ``bear-cache`` is not among ``runs``."""
+    by = {r["policy"]: r for r in runs}
+    cache = by.get("bear-cache")
+    if cache is None:
+        return ""
+    otu = cache["on_time_utility"]
+    parts = []
+    blind = by.get("bear")
+    if blind is not None:
+        parts.append(
+            f"bear-cache vs bear {_gain(otu, blind['on_time_utility'])} "
+            f"(bear on time {100 * blind['slo_attainment']:.1f} %)"
+        )
+    base = [by[p] for p in _BASELINES if p in by]
+    if base:
+        best = max(base, key=lambda r: r["on_time_utility"])
+        gain = _gain(otu, best["on_time_utility"])
+        parts.append(f"vs the best baseline, {best['policy']}, {gain}")
+    return "; ".join(parts)
+
+
+def _gain(a: float, b: float) -> str:
+    return f"{100 * (a / b - 1):+.1f} %" if b > 0 else "n/a"
 
 
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

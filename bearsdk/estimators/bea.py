@@ -182,13 +182,16 @@ def _overtaking_impossible(pol: Policy) -> bool:
     prompt after the new request). With chunked prefill, a stage that serves
     prefills must also come before admissions: else a request admitted with
     a first chunk finishes its prompt in a later stage, behind a new request
-    admitted whole in the meantime.
+    admitted whole in the meantime. And budgets counted as tokens: counted
+    padded (sequences x longest chunk), a long prompt left in the queue may
+    not fit where a short new one does.
     """
     if "waiting" not in pol.stages:
         return False
     first = pol.stages.index("waiting")
     return (
         pol.on_blocked == "stop"
+        and pol.budget_count == "tokens"
         and pol.chunk_cap == 0
         and (pol.victim == "none" or pol.requeue == "front")
         and (

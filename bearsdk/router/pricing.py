@@ -68,21 +68,42 @@ def tpot_with_arrivals(tpot_s: float, s: InstanceSlot, now: float) -> float:
     return tpot_s / (1.0 - rho)
 
 
-def ttft_arrivals(ttft_s: float, s: InstanceSlot, now: float) -> float:
+def ttft_arrivals(
+    ttft_s: float, s: InstanceSlot, now: float, prompt_tokens: int = 1, cached_tokens: int = 0
+) -> float:
     """What the prompts still to come add to a replayed TTFT.
 
     Requests that arrive while the new one waits queue behind it, so they do
     not delay its admission; but vLLM fills every batch's leftover token budget
     with them, and the batch that computes the new request's last prompt
-    tokens is usually not full: their prefill rides in it and lengthens it. A
-    request whose prefix is cached has little left to compute, and that one
-    batch is most of its TTFT. If recent dispatches brought ``rho`` seconds
-    of prefill per second, about ``rho * ttft`` seconds of it arrive while it
-    waits, and at most one batch's budget of it fits in that batch.
+    tokens is usually not full: their prefill rides in it and lengthens it.
+    Only what has arrived by the time that batch is scheduled can ride in it,
+    and a request whose prefix is cached has little left to compute: that one
+    batch is most of its TTFT, and the window for arrivals is what comes
+    before it. Eq. 12's terms of the prompt's last chunk alone (its tokens
+    past the cache, cut at the token budget, attending to the rest of the
+    prompt) are a lower bound on that batch, so ``ttft`` less them bounds the
+    window from above. If recent dispatches brought ``rho`` seconds of
+    prefill per second, about ``rho`` times the window of it arrives in time,
+    and at most one batch's budget of it fits in that batch.
+
+    Args:
+        ttft_s: The replayed TTFT.
+        s: The instance.
+        now: Decision time.
+        prompt_tokens: The new request's prompt tokens.
+        cached_tokens: Of them, the tokens the instance holds cached (``<= 0``:
+            none known).
     """
     c = s.state.estimator.replay_coeffs
     rho = min(s.stats.prefill_load(now, c[1], c[3]), MAX_PREFILL_SHARE)
-    return min(rho * ttft_s, c[1] * s.scheduler.token_budget)
+    budget = s.scheduler.token_budget
+    p = max(1, prompt_tokens)
+    left = p - min(max(0, cached_tokens), p - 1)
+    last = left - budget * ((left - 1) // budget)
+    before = p - last
+    final = c[0] + c[1] * last + c[3] * (last * before + last * (last + 1) * 0.5)
+    return min(rho * max(0.0, ttft_s - final), c[1] * budget)
 
 
 _Columns = tuple[list[float], list[float], list[float], list[float]]
@@ -218,7 +239,7 @@ def _price(
             tpot, itl, itl_base = tpot * stretch, itl * stretch, itl_base * stretch
         arrivals = 0.0
         if expect_arrivals and isfinite(ttft):
-            arrivals = ttft_arrivals(ttft, s, now)
+            arrivals = ttft_arrivals(ttft, s, now, ptok, cached)
         # (The spread is learned on replayed estimates; the others have their own errors.)
         margin = s.margin.value(now) if s.margin is not None and replayed else 1.0
         config = s.config
