@@ -2,6 +2,9 @@
 
 import sys
 
+from bearsdk._sigint import redeliver_lost_interrupts
+
+redeliver_lost_interrupts()  # before the command line loads: its imports are exposed too
 try:
     from bearsdk.cli import main
 except KeyboardInterrupt:

@@ -553,3 +553,27 @@ def test_a_command_other_than_bench_loads_no_benchmark() -> None:
     assert out.returncode == 0, out.stderr
     assert "'bearsdk.bench.router'" in out.stdout
     assert "'bearsdk.bench.decisions'" in out.stdout  # (every one, for bench --help)
+
+
+def test_a_ctrl_c_python_could_not_raise_is_delivered_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Seen in CI: the signal landed in importlib's weakref callback during an
+    # import, Python printed "Exception ignored" and the demo ran to its end (0).
+    import types
+
+    from bearsdk._sigint import _hook
+
+    def lose_one_then_work() -> None:
+        _hook(types.SimpleNamespace(exc_value=KeyboardInterrupt(), object=None))
+        for _ in range(1_000_000):  # the main thread's next check raises it
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        lose_one_then_work()
+    # Any other unraisable exception is reported as before.
+    seen: list[object] = []
+    monkeypatch.setattr(sys, "__unraisablehook__", seen.append)
+    other = types.SimpleNamespace(exc_value=ValueError("x"), object=None)
+    _hook(other)
+    assert seen == [other]

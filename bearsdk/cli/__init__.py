@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
+from bearsdk._sigint import redeliver_lost_interrupts
 from bearsdk.errors import BearError
 
 __all__ = [
@@ -341,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     words = list(sys.argv[1:] if argv is None else argv)
     args: argparse.Namespace | None = None
+    if argv is None:
+        # (The process's own command line, not a caller's in-process call.)
+        redeliver_lost_interrupts()
     try:
         parser = build_parser(words)
         args, extra = parser.parse_known_args(words)
