@@ -25,7 +25,6 @@ from bearsdk.cli import positive_int
 __all__ = ["rate_summary", "register"]
 
 _TRACE = "conversation_trace.jsonl"
-_BASELINES = ("llm-d-prefix", "dynamo-kv", "session-affinity")
 
 
 def _rates(text: str) -> list[float]:
@@ -107,7 +106,7 @@ def rate_summary(runs: list[dict[str, Any]]) -> str:
             f"bear-cache vs bear {_gain(otu, blind['on_time_utility'])} "
             f"(bear on time {100 * blind['slo_attainment']:.1f} %)"
         )
-    base = [by[p] for p in _BASELINES if p in by]
+    base = [r for p, r in by.items() if p not in ("bear-cache", "bear")]
     if base:
         best = max(base, key=lambda r: r["on_time_utility"])
         gain = _gain(otu, best["on_time_utility"])

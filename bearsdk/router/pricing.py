@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 from bearsdk.estimators.base import LatencyFields
+from bearsdk.estimators.batch_model import prefill_attention_of
 from bearsdk.prompts.approx import BLOCK_CHARS
 from bearsdk.prompts.ids import PromptIds
 from bearsdk.router.slot import InstanceSlot, block_size, cached_tokens, first_token_overhead
@@ -101,8 +102,7 @@ def ttft_arrivals(
     p = max(1, prompt_tokens)
     left = p - min(max(0, cached_tokens), p - 1)
     last = left - budget * ((left - 1) // budget)
-    before = p - last
-    final = c[0] + c[1] * last + c[3] * (last * before + last * (last + 1) * 0.5)
+    final = c[0] + c[1] * last + c[3] * prefill_attention_of(last, p - last)
     return min(rho * max(0.0, ttft_s - final), c[1] * budget)
 
 
