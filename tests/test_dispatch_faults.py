@@ -261,7 +261,13 @@ async def test_raw_chunks_carry_the_raw_events_joined(mode: str) -> None:
     async with FakeEngine().running() as eng, router_for([config(eng)]) as router:
         eng.default, eng.slow_s = mode, 0.01
         one = [e async for e in (await router.chat(MSG, stream=True, max_tokens=5)).raw()]
-        joined = [c async for c in (await router.chat(MSG, stream=True, max_tokens=5)).raw_chunks()]
+        stream = await router.chat(MSG, stream=True, max_tokens=5)
+        joined, ended = [], []
+        async for c in stream.raw_chunks():
+            joined.append(c)
+            ended.append(stream.ended)
+        # Known at the last chunk itself (a proxy sends it with the body's end), not before.
+        assert ended == [False] * (len(joined) - 1) + [True]
         assert b"".join(joined) == b"".join(one)
         assert joined[-1].endswith(b"data: [DONE]\n\n")
         if mode == "ok":  # everything in one read: one chunk

@@ -270,13 +270,23 @@ def _total_tokens(usage: object) -> int | None:
     return None
 
 
+class _EventStream(web.StreamResponse):
+    """An SSE response whose head leaves with its first chunk: one write, not two.
+
+    (aiohttp's own ``Response`` buffers its head so; a stream sends it at
+    ``prepare()`` unless told otherwise.)
+    """
+
+    _send_headers_immediately = False
+
+
 async def _stream(
     request: web.Request, gw: Gateway, result: ChatStream, headers: dict[str, str]
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(
+    resp = _EventStream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
-    tail: bytes | None = None
+    tail = b""
     try:
         async with result:  # leaving early (client gone, drain) aborts the request at the engine
             await resp.prepare(request)
@@ -284,7 +294,11 @@ async def _stream(
                 gw._streams.add(scope)
                 try:
                     async for chunk in result.raw_chunks():
-                        await resp.write(chunk)
+                        if result.ended:
+                            # The last one leaves with the end of the body (one write).
+                            tail = chunk
+                        else:
+                            await resp.write(chunk)
                 except DispatchError as exc:
                     # The engine dropped the stream after it started: tell the client in-band.
                     tail = _sse_error(str(exc), "dispatch_failed")
@@ -292,9 +306,7 @@ async def _stream(
                     gw._streams.discard(scope)
             if scope.cancelled_caught:
                 tail = _sse_error("the gateway is shutting down", "draining")
-        if tail is not None:
-            await resp.write(tail)
-        await resp.write_eof()
+        await resp.write_eof(tail)
     except ConnectionError:
         # The client went away; leaving the stream above aborted the engine's copy.
         pass

@@ -170,6 +170,12 @@ class ChatStream:
                 continue
             return event[1]
 
+    @property
+    def ended(self) -> bool:
+        """Whether the stream has nothing more to give: the chunk :meth:`raw_chunks`
+        handed over last (the one ending in ``[DONE]``) was its last, or it was closed."""
+        return self._eof and not self._ready
+
     def _hidden(self, doc: dict[str, Any]) -> bool:
         """The usage chunk the router asked for on its own behalf."""
         return not self._caller_usage and not doc.get("choices") and doc.get("usage") is not None
