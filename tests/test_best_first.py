@@ -112,10 +112,11 @@ def _check(pruned: Decision, full: Decision) -> None:
             if f.feasible:
                 assert f.utility < chosen.utility
         elif repr(c) != repr(f):
-            # The second look (nothing on time) left a bound that could not be
-            # the lowest TTFT as it was: a lower bound of what pricing it gives.
-            assert not full.chosen.feasible
+            # Left a lower bound of what pricing it gives, one that can win
+            # nothing: past the target and the lowest TTFT found before it, or
+            # left by the second look (nothing on time) past the lowest TTFT.
             assert c.ttft_lower_bound
+            assert not f.feasible
             assert chosen.ttft_s < c.ttft_s <= f.ttft_s
 
 
@@ -144,7 +145,32 @@ def test_pruned_decisions_equal_full_ones(
         kw["tpot_target"] = tpot
     a, fa = _router(models, waiting, BEAR())
     b, fb = _router(models, waiting, BEAR(price_all=True))
-    _check(_decide(a, fa, pred, **kw), _decide(b, fb, pred, **kw))
+    # Twice: the second decision on the same views has their one-token bounds.
+    for _ in range(2):
+        _check(_decide(a, fa, pred, **kw), _decide(b, fb, pred, **kw))
+
+
+def test_past_the_target_and_the_lowest_ttft_found_an_estimate_stays_a_bound() -> None:
+    # Three 8B instances: i0 idle (~16 ms), i1 and i2 behind 4 waiting prompts
+    # each (~216 and ~188 ms). At a 1 s target all three are on time and exact
+    # (the tie breaks on TTFT); at 0.15 s only i0 is, and i1 and i2, past the
+    # target and i0's TTFT, are left lower bounds (here their queue-ahead
+    # bounds) where pricing them in full replays them within the 0.3 s horizon.
+    pred = _prediction([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
+    models, waiting = [1, 1, 1], [0, 4, 4]
+    for target, bounds in ((1.0, []), (0.15, [1, 2])):
+        a, fa = _router(models, waiting, BEAR())
+        b, fb = _router(models, waiting, BEAR(price_all=True))
+        d, full = _decide(a, fa, pred, ttft_target=target), _decide(b, fb, pred, ttft_target=target)
+        _check(d, full)
+        assert d.instance == "i0"
+        assert [i for i, c in enumerate(d.candidates) if c.ttft_lower_bound] == bounds
+        for i in bounds:
+            c, f = d.candidates[i], full.candidates[i]
+            assert not f.ttft_lower_bound
+            assert f.ttft_s <= 2 * target
+            assert target < c.ttft_s <= f.ttft_s
+            assert c.feasible is False
 
 
 def test_only_the_best_level_is_priced_when_it_is_on_time() -> None:
@@ -304,8 +330,9 @@ def test_overload_pricing_replays_to_the_second_look_at_once(
 ) -> None:
     # Counted in replays: the first decision replays three instances to the
     # 10 ms horizon (their queues are empty: no bound), then one of them 8x
-    # further; the next replays none to the horizon first, the chosen model's
-    # instances 8x out, the others only past the lowest TTFT among those.
+    # further; the next replays none to the horizon first, the first of the
+    # chosen model's instances 8x out, the next only past that one's TTFT, the
+    # others only past the lowest TTFT among those.
     from bearsdk.estimators.bea import BEAEstimator
 
     horizons: list[float] = []
@@ -325,7 +352,13 @@ def test_overload_pricing_replays_to_the_second_look_at_once(
     second = _decide(core, feed, pred, ttft_target=0.005)
     best = second.chosen.ttft_s
     assert 0.01 < best < 0.08
-    assert sorted(horizons) == [pytest.approx(best)] * (len(horizons) - 2) + [0.08, 0.08]
+    i1 = second.candidates[1].ttft_s
+    assert best < i1 < 0.08
+    assert not second.candidates[1].ttft_lower_bound
+    assert sorted(horizons) == [pytest.approx(best)] * (len(horizons) - 2) + [
+        pytest.approx(i1),
+        0.08,
+    ]
     assert 0 < len(horizons) <= n_first
     assert second.instance == first.instance == "i2"
     assert second.chosen.ttft_s == first.chosen.ttft_s

@@ -15,10 +15,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_replay_property import PROBE_POOL, builtin_policy, custom_policy, workload
+from test_replay_property import (
+    PROBE_POOL,
+    builtin_policy,
+    custom_policy,
+    tiny_workload,
+    workload,
+)
 
 from bearsdk.estimators import BatchTimeModel
-from bearsdk.estimators.bea import BEAEstimator
+from bearsdk.estimators.bea import BEAEstimator, first_tokens_in_order
 from bearsdk.replay import implementations
 from bearsdk.replay.types import StopReason
 from bearsdk.schedulers import BoundScheduler, compile_scheduler, scheduler_names
@@ -73,6 +79,96 @@ def test_the_bound_never_exceeds_the_replay_builtin(
 def test_the_bound_never_exceeds_the_replay_custom(data: Any, m: BatchTimeModel) -> None:
     pol = data.draw(custom_policy())
     _check(pol, data.draw(workload(pol)), m)
+
+
+def _check_one_token(pol: BoundScheduler, w: dict[str, Any], model: BatchTimeModel, gap: float):
+    # The one-token request's first token (one output token), arriving first,
+    # against the new request's arriving `gap` later, in absolute time.
+    for impl in sorted(IMPLS):
+        est, snap = _estimator(pol, w, model, impl)
+        prep = est.prepare(snap)
+        assume(prep.in_order)
+        res = est.estimate(prep, w["prompt"], w["out"], arrival_s=gap)
+        assume(res.stop_reason is not StopReason.BATCH_LIMIT and res.first_token_batch < 2000)
+        one = est.estimate(prep, 1, 1, max_tokens=1)
+        assert one.stop_reason is not StopReason.BATCH_LIMIT
+        assert one.ttft_s <= res.ttft_s + gap + 1e-12 * max(1.0, res.ttft_s), (impl, one, res)
+        # What the estimator keeps: nothing the first time it is asked, then the bound.
+        assert est.admission_bound(prep, 0.0) == 0.0
+        lb = est.admission_bound(prep, 0.0)
+        assert lb == one.ttft_s
+        assert est.admission_bound(prep, gap) == pytest.approx(lb - gap, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", scheduler_names())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), m=st.sampled_from(MODELS), gap=st.sampled_from([0.0, 1e-4, 0.003, 0.2]))
+def test_a_one_token_request_is_first_to_its_first_token_builtin(
+    name: str, data: Any, m: BatchTimeModel, gap: float
+) -> None:
+    pol = data.draw(builtin_policy(name))
+    if not first_tokens_in_order(pol):
+        return
+    _check_one_token(pol, data.draw(workload(pol)), m, gap)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), m=st.sampled_from(MODELS), gap=st.sampled_from([0.0, 1e-4, 0.003, 0.2]))
+def test_a_one_token_request_is_first_to_its_first_token_custom(
+    data: Any, m: BatchTimeModel, gap: float
+) -> None:
+    pol = data.draw(custom_policy())
+    assume(first_tokens_in_order(pol))
+    _check_one_token(pol, data.draw(workload(pol)), m, gap)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), m=st.sampled_from(MODELS), gap=st.sampled_from([0.0, 1e-4, 0.2]))
+def test_a_one_token_request_is_first_to_its_first_token_tiny(
+    data: Any, m: BatchTimeModel, gap: float
+) -> None:
+    # States engines never report but a network may send (tiny counts, placeholders).
+    pol = data.draw(custom_policy())
+    assume(first_tokens_in_order(pol))
+    _check_one_token(pol, data.draw(tiny_workload(pol)), m, gap)
+
+
+def test_the_one_token_bound_is_replayed_when_asked_again_and_kept() -> None:
+    from bearsdk.schedulers import bind_scheduler
+
+    rows = [[0, 3000, 3100, 100, -1, 400, 0]] * 120 + [[1, 2000, 0, 0, -1, 200, 0]] * 12
+    ids = tuple(f"r{i}" for i in range(len(rows)))
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=ids, table=np.array(rows))
+    for impl in IMPLS:
+        est = BEAEstimator(bind_scheduler("vllm-v1"), MODELS[0], implementation=impl)
+        prep = est.prepare(snap)
+        assert prep.in_order
+        one = est.estimate(prep, 1, 1, max_tokens=1).ttft_s
+        later = est.estimate(prep, 1, 1, max_tokens=1, arrival_s=0.01).ttft_s
+        assert est.admission_bound(prep, 0.0, 0.1) == 0.0  # asked once: nothing replayed
+        cut = est.admission_bound(prep, 0.0, 0.1)  # again: replayed, stopped past 0.1 s
+        assert 0.1 < cut < one
+        assert prep.admission[3] is False
+        # Past a shorter horizon it answers from what it kept; further out it replays.
+        assert est.admission_bound(prep, 0.01, 0.05) == pytest.approx(cut - 0.01, abs=1e-12)
+        assert est.admission_bound(prep, 0.01, math.inf) == pytest.approx(later, rel=1e-12)
+        assert prep.admission[3] is True
+        assert est.admission_bound(prep, 0.02, 0.05) == pytest.approx(later - 0.01, rel=1e-9)
+        # An earlier arrival starts over; a state prepared anew keeps nothing.
+        assert est.admission_bound(prep, 0.0, math.inf) == 0.0
+        assert est.prepare(snap).admission == []
+
+
+def test_the_one_token_bound_needs_admissions_last_and_no_overtaking() -> None:
+    from bearsdk.schedulers import bind_scheduler
+
+    ordered = {n for n in scheduler_names() if first_tokens_in_order(bind_scheduler(n))}
+    assert {"vllm-v1", "sarathi"} <= ordered
+    # Admissions first: a long prompt takes budget the one-token request leaves to decodes.
+    assert "prefill-first" not in ordered
+    assert not first_tokens_in_order(
+        bind_scheduler("vllm-v1", {"long_prefill_token_threshold": 64})
+    )
 
 
 def test_the_bound_counts_the_queue_only_where_nothing_overtakes() -> None:

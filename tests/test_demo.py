@@ -244,7 +244,7 @@ def test_ctrl_c_ends_the_demo_cleanly(jobs: int, to_group: bool) -> None:
     cmd = [sys.executable, "-m", "bearsdk", "demo", "--rates", "4", "--policies"]
     cmd += ["bear,round-robin", "--duration", "60", "--no-plot", "--jobs", str(jobs)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen(
+    with subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env,
@@ -252,21 +252,21 @@ def test_ctrl_c_ends_the_demo_cleanly(jobs: int, to_group: bool) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-    )
-    try:
-        assert p.stdout is not None
-        first = p.stdout.readline()  # printed once the runs are starting
-        assert first.startswith("bearsdk demo:"), first
-        if to_group:
-            os.killpg(p.pid, signal.SIGINT)
-        else:
-            p.send_signal(signal.SIGINT)
-        # Generous for a loaded machine; by hand on a quiet one it is ~0.3 s.
-        out, err = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    ) as p:
+        try:
+            assert p.stdout is not None
+            first = p.stdout.readline()  # printed once the runs are starting
+            assert first.startswith("bearsdk demo:"), first
+            if to_group:
+                os.killpg(p.pid, signal.SIGINT)
+            else:
+                p.send_signal(signal.SIGINT)
+            # Generous for a loaded machine; by hand on a quiet one it is ~0.3 s.
+            out, err = p.communicate(timeout=20)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()  # (and its pipes closed, whatever failed)
     assert p.returncode == 130, err
     assert "Traceback" not in err
     assert "Unclosed" not in err

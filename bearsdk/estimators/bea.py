@@ -135,11 +135,19 @@ class PreparedSnapshot:
     replayer: Replayer
     state: Any
     ahead: tuple[float, float] = (0.0, 0.0)
+    in_order: bool = False
+    """Whether no new request's first token can come before a one-token
+    request's arriving no later (:meth:`BEAEstimator.admission_bound`)."""
     # Horizon stops reached before admission ever looked at the new request:
     # (replay horizon, time reached, coefficients, arrival), see BEAEstimator.ttft.
     horizon_stops: list[tuple[float, float, tuple[float, ...], float]] = attrs.field(
         factory=list, init=False, repr=False
     )
+    # The one-token request's first token (BEAEstimator.admission_bound):
+    # [coefficients, its arrival, its first token's time from the snapshot (None:
+    # asked once, not replayed yet), whether exact (else where a replay stopped
+    # at its horizon)], or empty.
+    admission: list[Any] = attrs.field(factory=list, init=False, repr=False)
     # The residents replayed alone, by (coefficients, batches): the baseline of an
     # admission's harm is the same for every request and candidate (BEAEstimator.residents).
     residents_memo: dict[tuple[tuple[float, ...], int], tuple[int, float]] = attrs.field(
@@ -198,6 +206,25 @@ def _overtaking_impossible(pol: Policy) -> bool:
             not pol.chunked_prefill or any(x in ("running", "prefills") for x in pol.stages[:first])
         )
     )
+
+
+def first_tokens_in_order(pol: Policy) -> bool:
+    """Whether a new request's first token never comes before that of a
+    one-token request (one output token) arriving no later.
+
+    Under :func:`_overtaking_impossible`'s conditions a new request waits for
+    everything queued ahead whatever its length, and joins at a turn no
+    earlier for arriving later (the residents' batches do not depend on it
+    before it is admitted). A one-token request is admitted at the first turn
+    with a token of budget, a seat and a block left, which any longer request
+    needs too; with admissions the last stage, its batch holds the same
+    residents' work as a longer one's would, and eq. 12's terms only grow with
+    the new request's tokens. So the one-token request's first token is a
+    lower bound on every new request's, for every arrival from its own on.
+    (Where a stage comes after admissions, a long prompt can take the budget
+    of decodes that the one-token request leaves in its batch.)
+    """
+    return _overtaking_impossible(pol) and pol.stages[-1] == "waiting"
 
 
 def prefill_ahead(pol: Policy, snapshot: Snapshot) -> tuple[float, float]:
@@ -301,7 +328,14 @@ class BEAEstimator:
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
         free = -1 if kv is None else kv.free_blocks
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-        return PreparedSnapshot(snapshot, replayer, state, prefill_ahead(replayer.policy, snapshot))
+        pol = replayer.policy
+        return PreparedSnapshot(
+            snapshot,
+            replayer,
+            state,
+            prefill_ahead(pol, snapshot),
+            snapshot.prefix_cache is None and first_tokens_in_order(pol),
+        )
 
     def residents(self, prepared: PreparedSnapshot, batches: int) -> tuple[int, float]:
         """The snapshot's requests alone for ``batches`` batches: ``(formed, seconds)``.
@@ -321,6 +355,43 @@ class BEAEstimator:
                 del memo[next(iter(memo))]
             memo[key] = got
         return got
+
+    def admission_bound(
+        self, prepared: PreparedSnapshot, arrival_s: float, horizon_s: float = math.inf
+    ) -> float:
+        """A lower bound on :meth:`ttft` for any new request arriving ``arrival_s``
+        after the snapshot, whatever its prompt and output: the first token of a
+        one-token request (:func:`first_tokens_in_order`), replayed once per
+        prepared state and coefficients and kept.
+
+        Where a queue is long, that request's first token is most of anyone's:
+        the bound settles "later than the horizon", or "later than the lowest
+        TTFT found so far", with no replay of each request's own. The replay
+        is run the second time the state is asked (a state asked once, as a
+        snapshot polled between two decisions is, costs no extra replay) and
+        stops at ``horizon_s`` (its time then is still a lower bound). ``0``
+        where no bound is kept: the policy lets requests overtake, the
+        snapshot caches prefixes, or the state was not asked before.
+        """
+        if not prepared.in_order:
+            return 0.0
+        coeffs = self._coeffs
+        arrival = _arrival(arrival_s)
+        memo = prepared.admission
+        if memo and memo[0] is coeffs and arrival >= memo[1]:
+            k = memo[2]
+            if k is not None and (memo[3] or k - arrival > horizon_s):
+                return float(k - arrival)
+            # Asked again, or kept from a replay stopped short of this horizon:
+            # replay now, at this arrival (a later one is reached no earlier).
+            inflight = prepared.snapshot.inflight_remaining_s or 0.0
+            h = _replay_horizon(horizon_s, prepared, arrival)
+            start = max(arrival - inflight, 0.0)
+            t = float(prepared.replayer.ttft(prepared.state, 1, 1, coeffs, 1, None, h, start))
+            memo[1:] = arrival, t + inflight, t <= h
+            return t + inflight - arrival
+        memo[:] = [coeffs, arrival, None, False]
+        return 0.0
 
     def bound(self, prepared: PreparedSnapshot, prompt_tokens: int) -> float:
         """A lower bound on :meth:`ttft` for a new request, in O(1).

@@ -521,10 +521,18 @@ class RouterCore(RouterFeedback):
         prunes = not explore and len(slots) > 1 and getattr(sel_, "prunes_by_utility", False)
         best_first = prunes and self._pruning.worth_it()
 
+        # Only the best utility on time, else the lowest TTFT, is chosen: past the
+        # target and the lowest TTFT found so far an estimate can stay a bound.
+        floor = (
+            target
+            if prunes and horizon != math.inf and (want is None or tpot_s == math.inf)
+            else None
+        )
+
         def choose(h: float, best_first: bool) -> tuple[list[Row], Selection]:
             if best_first:
-                return price_best_first(self, slots, ask, h, select, target)
-            rows = price(self, slots, ask, h)
+                return price_best_first(self, slots, ask, h, select, target, floor)
+            rows = price(self, slots, ask, h, floor)
             return rows, select([c[0] for c in rows])
 
         far = horizon * _FALLBACK_REACH

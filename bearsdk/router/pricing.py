@@ -163,7 +163,11 @@ class _PerModel(dict[int, tuple[float, int, int, float, float, PromptIds | None]
 
 
 def price(
-    core: RouterCore, slots: list[InstanceSlot], ask: Ask, horizon: float = math.inf
+    core: RouterCore,
+    slots: list[InstanceSlot],
+    ask: Ask,
+    horizon: float = math.inf,
+    floor: float | None = None,
 ) -> list[Row]:
     """Price ``slots`` for one request: each instance's option and how it was estimated.
 
@@ -172,8 +176,13 @@ def price(
         slots: The candidate instances.
         ask: The request.
         horizon: How far past the target estimates must be exact.
+        floor: For a selector that takes the best utility on time, else the
+            lowest TTFT (BEAR without a TPOT target): its TTFT target. Each
+            instance is then priced exactly only up to ``max(floor, lowest TTFT
+            found before it)`` (within ``horizon``): one past both is neither on
+            time nor the lowest, and is left a lower bound.
     """
-    return _price(core, slots, ask, horizon)
+    return _price(core, slots, ask, horizon, None, floor)
 
 
 def _price(
@@ -182,7 +191,11 @@ def _price(
     ask: Ask,
     horizon: float,
     per_model: _PerModel | None = None,
+    shrink_to: float | None = None,
 ) -> list[Row]:
+    # shrink_to: after each row the horizon becomes max(shrink_to, the lowest
+    # TTFT so far), for a caller that needs only the lowest exact
+    # (price_least_late).
     max_tokens, now, next_tokens = ask.max_tokens, ask.now, ask.next_tokens
     approx, priced = ask.approx, ask.priced
     kind = core.selector.latency
@@ -259,6 +272,8 @@ def _price(
             itl_base,
             tight,
         )
+        if shrink_to is not None and option.ttft_s < horizon:
+            horizon = max(shrink_to, option.ttft_s)
         speed = 1.0 if s.speed is None else s.speed.factor
         out_rows.append(
             (
@@ -392,6 +407,7 @@ def price_best_first(
     horizon: float,
     select: Callable[[list[Option]], Selection],
     target: float,
+    floor: float | None = None,
 ) -> tuple[list[Row], Selection]:
     """Price ``slots`` a utility level at a time, best first, until one is on time.
 
@@ -414,6 +430,7 @@ def price_best_first(
         horizon: How far past the target estimates must be exact.
         select: The selector's answer for a list of options.
         target: The request's TTFT target.
+        floor: As :func:`price`'s, the lowest TTFT carried from level to level.
 
     Returns:
         The rows in ``slots``' order, and the selector's answer over all of them.
@@ -434,11 +451,16 @@ def price_best_first(
         return rows, select([r[0] for r in rows])
     levels = sorted(by_level, reverse=True)
     got: list[Row | None] = [None] * len(slots)
+    h = horizon
     for k, level in enumerate(levels):
         idx = by_level[level]
-        level_rows = _price(core, [slots[i] for i in idx], ask, horizon, per_model)
+        level_rows = _price(core, [slots[i] for i in idx], ask, h, per_model, floor)
         for i, row in zip(idx, level_rows, strict=True):
             got[i] = row
+        if floor is not None:
+            low = min(r[0].ttft_s for r in level_rows)
+            if low < h:
+                h = max(floor, low)
         # (On time needs the TTFT target met: a level without one needs no select.)
         if k < len(levels) - 1 and any(r[0].ttft_s <= target for r in level_rows):
             sel = select([r[0] for r in level_rows])
@@ -466,11 +488,13 @@ def price_least_late(
     and the lowest TTFT past the horizon) the request is priced out to ``far``
     at once (see :meth:`~bearsdk.router.core.RouterCore.decide`). Only the
     lowest TTFT needs to be exact then: the instances of ``first_model`` (the
-    model the previous overload chose) are priced to ``far``, and every other
-    instance to ``max(horizon, min(far, best))``, ``best`` the lowest TTFT
-    found among the first. An instance whose TTFT exceeds that is left a lower
-    bound past it (often without a replay: its queue-ahead bound says so), and
-    cannot have the lowest TTFT; an instance within the target's horizon is
+    model the previous overload chose) are priced one after the other, the
+    first to ``far`` and each next to ``max(horizon, min(far, lowest so
+    far))``, and every other instance to ``max(horizon, min(far, best))``,
+    ``best`` the lowest TTFT found among the first. An instance whose TTFT
+    exceeds its horizon is left a lower bound past it (often without a replay:
+    its queue-ahead or one-token bound says so), and cannot have the lowest
+    TTFT; an instance within the target's horizon is
     exact as always, so whether any is on time is still known exactly. The
     choice is the one pricing every instance to ``far`` makes: a row's TTFT
     is at least its estimate plus its overhead (margin >= 1, arrivals >= 0),
@@ -490,13 +514,14 @@ def price_least_late(
     per_model = _PerModel(core, ask)
     first = [i for i, s in enumerate(slots) if s.model_index == first_model]
     if not first or len(first) == len(slots):
-        return _price(core, slots, ask, far, per_model)
+        return _price(core, slots, ask, far, per_model, horizon)
     rest = [i for i, s in enumerate(slots) if s.model_index != first_model]
     got: list[Row | None] = [None] * len(slots)
     best = math.inf
-    for i, row in zip(
-        first, _price(core, [slots[i] for i in first], ask, far, per_model), strict=True
-    ):
+    # Each of the first past the lowest TTFT found before it is left a lower bound
+    # too (often from its state's one-token bound, without a replay).
+    first_rows = _price(core, [slots[i] for i in first], ask, far, per_model, horizon)
+    for i, row in zip(first, first_rows, strict=True):
         got[i] = row
         best = min(best, row[0].ttft_s)
     h = max(horizon, min(far, best))

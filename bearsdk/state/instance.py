@@ -462,6 +462,18 @@ class InstanceState:
             prep, mode, pending, elapsed = kept, "fast-forward", self._view_pending, dt
         else:
             prep, mode, pending, elapsed = self._prepared(entry, now, age)
+        if checked is not None and next_tokens == 0 and prefix_keys is None and prep.in_order:
+            # Later than the horizon whatever the request: a one-token request's
+            # first token from the same state says so (a replay kept per state;
+            # read here where it is kept exact, the hot path's case).
+            a = prep.admission
+            if a and a[3] and a[0] is est.replay_coeffs and elapsed >= a[1]:
+                lb = a[2] - elapsed
+            else:
+                lb = est.admission_bound(prep, elapsed, horizon_s)
+            if lb > horizon_s:
+                got = (lb, "bound", age, pending, True, NAN, NAN, NAN)
+                return got if self._mode == "bound" else self._set(got, now)
         if next_tokens > 0:
             e = est.estimate(
                 prep,
