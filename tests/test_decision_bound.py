@@ -112,25 +112,16 @@ def test_a_one_token_request_is_first_to_its_first_token_builtin(
     _check_one_token(pol, data.draw(workload(pol)), m, gap)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# tiny: states engines never report but a network may send (tiny counts, placeholders).
+@pytest.mark.parametrize("states", [workload, tiny_workload], ids=["workload", "tiny"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), m=st.sampled_from(MODELS), gap=st.sampled_from([0.0, 1e-4, 0.003, 0.2]))
 def test_a_one_token_request_is_first_to_its_first_token_custom(
-    data: Any, m: BatchTimeModel, gap: float
+    states: Any, data: Any, m: BatchTimeModel, gap: float
 ) -> None:
     pol = data.draw(custom_policy())
     assume(first_tokens_in_order(pol))
-    _check_one_token(pol, data.draw(workload(pol)), m, gap)
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), m=st.sampled_from(MODELS), gap=st.sampled_from([0.0, 1e-4, 0.2]))
-def test_a_one_token_request_is_first_to_its_first_token_tiny(
-    data: Any, m: BatchTimeModel, gap: float
-) -> None:
-    # States engines never report but a network may send (tiny counts, placeholders).
-    pol = data.draw(custom_policy())
-    assume(first_tokens_in_order(pol))
-    _check_one_token(pol, data.draw(tiny_workload(pol)), m, gap)
+    _check_one_token(pol, data.draw(states(pol)), m, gap)
 
 
 def test_the_one_token_bound_is_replayed_when_asked_again_and_kept() -> None:
