@@ -191,11 +191,10 @@ def _price(
     ask: Ask,
     horizon: float,
     per_model: _PerModel | None = None,
-    shrink_to: float | None = None,
+    floor: float | None = None,
 ) -> list[Row]:
-    # shrink_to: after each row the horizon becomes max(shrink_to, the lowest
-    # TTFT so far), for a caller that needs only the lowest exact
-    # (price_least_late).
+    # floor: after each row the horizon becomes max(floor, the lowest TTFT so
+    # far) (see price).
     max_tokens, now, next_tokens = ask.max_tokens, ask.now, ask.next_tokens
     approx, priced = ask.approx, ask.priced
     kind = core.selector.latency
@@ -272,8 +271,8 @@ def _price(
             itl_base,
             tight,
         )
-        if shrink_to is not None and option.ttft_s < horizon:
-            horizon = max(shrink_to, option.ttft_s)
+        if floor is not None and option.ttft_s < horizon:
+            horizon = max(floor, option.ttft_s)
         speed = 1.0 if s.speed is None else s.speed.factor
         out_rows.append(
             (
