@@ -96,6 +96,55 @@ def test_prediction_changes_the_estimate(impl: str) -> None:
     assert long.ttft_s > short.ttft_s
 
 
+def test_a_step_that_only_preempts_is_not_the_end(impl: str) -> None:
+    # Two one-token KV blocks; the resident, preempted once (an output token),
+    # recomputes both, then its decode finds no block and preempts it: that
+    # step schedules nothing, but it freed the blocks, so the next admits.
+    # Once the replay called it the end (never admitted) when the new request
+    # was already waiting, and admitted it when it arrived a little later.
+    from bearsdk.schedulers import BoundScheduler
+
+    pol = BoundScheduler(
+        name="custom",
+        token_budget=16,
+        max_seqs=2,
+        max_model_len=0,
+        budget_count="tokens",
+        stages=("running", "waiting"),
+        exclusive=True,
+        admit_after_preemption=False,
+        async_scheduling=False,
+        chunked_prefill=False,
+        chunk_cap=0,
+        cap_exempt_when_alone=False,
+        on_blocked="stop",
+        reserve_full_sequence=False,
+        block_size=1,
+        num_blocks=2,
+        reserved_blocks=0,
+        allocate="on-demand",
+        watermark=0.0,
+        watermark_applies="always",
+        decode_needs_free_block=False,
+        victim="newest",
+        requeue="front",
+        keep_outputs=False,
+        prefix_caching=False,
+        params=(("budget", 16),),
+    )
+    table = np.array([[1, 1, 0, 1, -1, 3, 0]], dtype=np.int64)
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=("r0",), table=table)
+    est = BEAEstimator(pol, BatchTimeModel(0.003, 2e-5, 5e-8, 1e-10), implementation=impl)
+    prep = est.prepare(snap)
+    done = []
+    for gap in (0.0, 0.001, 0.003, 0.0031, 0.2):
+        r = est.estimate(prep, 1, 1, arrival_s=gap)
+        assert r.stop_reason is StopReason.FIRST_TOKEN
+        done.append(gap + r.ttft_s)
+    assert done == sorted(done)  # arriving later never makes it earlier
+    assert done[0] == pytest.approx(0.0060800005, rel=1e-9)
+
+
 def test_never_admitted_is_infinite(impl: str) -> None:
     snap = Snapshot.build([], kv=KVState(16, 10, 9))
     est = BEAEstimator(bearsdk.bind_scheduler("vllm-v1"), BT, implementation=impl)
