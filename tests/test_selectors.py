@@ -58,6 +58,35 @@ def test_bear_falls_back_to_lowest_ttft() -> None:
     assert BEAR().select(never, 0.1).index == 1
 
 
+def test_bear_least_requests_overload() -> None:
+    least = BEAR(overload="least-requests")
+    assert BEAR().seeks_least_late
+    assert not least.seeks_least_late
+    # Something on time: the overload rule does not matter.
+    assert least.select(POOL, 0.4).index == BEAR().select(POOL, 0.4).index == 1
+    # Nothing on time: the fewest in flight (mid, 3), not the lowest TTFT (small, 9).
+    s = least.select(POOL, 0.05)
+    assert s.index == 1
+    assert s.feasible == (False, False, False)
+    assert s.reason == "no instance predicted on time: fewest requests in flight"
+    # Equal counts: the lower predicted TTFT.
+    tie = opts(("a", 0.5, 1.0, 0.9, 2), ("b", 0.9, 1.0, 0.6, 2), ("c", 0.9, 1.0, 0.3, 7))
+    assert least.select(tie, 0.1).index == 1
+    # Never an instance that cannot serve the request, however idle ...
+    never = opts(("a", 0.9, 1.0, math.inf, 0), ("b", 0.1, 1.0, 5.0, 4))
+    assert least.select(never, 0.1).index == 1
+    # ... unless none can.
+    none = opts(("a", 0.9, 1.0, math.inf, 3), ("b", 0.1, 1.0, math.inf, 1))
+    assert least.select(none, 0.1).index == 1
+    # With a TPOT target as well.
+    both = opts(("a", 0.9, 1.0, 0.2, 5), ("b", 0.9, 1.0, 0.3, 1))
+    assert least.select(both, 0.1, tpot_target_s=0.05).index == 1
+    assert BEAR().select(both, 0.1, tpot_target_s=0.05).index == 0
+    with pytest.raises(ValueError, match=r"BEAR.overload must be one of lowest-ttft, "
+                       r"least-requests \(got 'fewest'\)"):  # fmt: skip
+        BEAR(overload="fewest")
+
+
 def test_prefill_tps_uses_bear_rule_with_its_own_estimates() -> None:
     assert PrefillTPS().latency == "prefill-tps"
     assert PrefillTPS().select(POOL, 0.4).index == BEAR().select(POOL, 0.4).index

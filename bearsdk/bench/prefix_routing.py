@@ -69,6 +69,7 @@ def _main(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 trace=trace,
                 expect_arrivals=not args.no_arrivals,
+                overload=args.overload,
             )
             runs.append(r.as_dict())
             if not args.json:
@@ -120,6 +121,7 @@ def _gain(a: float, b: float) -> str:
 
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the ``prefix-routing`` benchmark."""
+    from bearsdk.selectors.bear import OVERLOAD_RULES
     from bearsdk.sim.prefix import PREFIX_POLICIES
 
     p = bsub.add_parser(
@@ -159,6 +161,13 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         "--no-arrivals",
         action="store_true",
         help="BEA as the paper defines it: no allowance for the prompts still to come",
+    )
+    p.add_argument(
+        "--overload",
+        choices=OVERLOAD_RULES,
+        default="least-requests",
+        help="where both BEAR policies send a turn no instance is predicted to serve on "
+        "time (default least-requests; lowest-ttft: the paper's)",
     )
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)

@@ -542,7 +542,10 @@ class RouterCore(RouterFeedback):
         # choice is the same (no instance on time at the horizon becomes so
         # further out; the lowest TTFT is exact either way); only the cost and
         # the other instances' values differ (exact where they were bounds).
-        reach = far if self._overloaded and not explore else horizon
+        # (A selector that does not send the late where they are least late
+        # needs no estimate past the horizon.)
+        least_late = getattr(sel_, "seeks_least_late", True)
+        reach = far if self._overloaded and not explore and least_late else horizon
         if reach == far and prunes and (want is None or tpot_s == math.inf):
             # (Its fallback is the lowest TTFT: only that one must be exact.)
             rows = price_least_late(self, slots, ask, horizon, far, self._late_model)
@@ -551,7 +554,8 @@ class RouterCore(RouterFeedback):
         else:
             rows, sel = choose(reach, best_first)
         if (
-            reach == horizon
+            least_late
+            and reach == horizon
             and horizon != math.inf
             and sel.feasible is not None
             and not any(sel.feasible)

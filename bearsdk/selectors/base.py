@@ -161,7 +161,9 @@ class Selector(Protocol):
     selector must judge each option on its own, never deem one on time whose
     ``ttft_s`` exceeds the TTFT target, and, with no TPOT target, take the
     lowest ``ttft_s`` when none is on time (the router then prices again, past
-    the horizon, only the lower bounds that could be the lowest).
+    the horizon, only the lower bounds that could be the lowest), unless it
+    defines ``seeks_least_late`` false: then its choice when none is on time
+    does not rank the estimates, and the router does not price again.
     """
 
     @property

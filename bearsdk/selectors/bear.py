@@ -21,7 +21,14 @@ import attrs
 from bearsdk.replay.types import MAX_NEXT_TOKENS
 from bearsdk.selectors.base import Option, Selection
 
-__all__ = ["BEAR", "Lagrangian", "LatencyAgnostic", "PrefillTPS", "TieBreaking"]
+__all__ = [
+    "BEAR",
+    "OVERLOAD_RULES",
+    "Lagrangian",
+    "LatencyAgnostic",
+    "PrefillTPS",
+    "TieBreaking",
+]
 
 
 def _nonneg(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -127,6 +134,9 @@ def _horizon(factor: float, target: float) -> float:
     return factor * target if math.isfinite(target) else math.inf
 
 
+OVERLOAD_RULES: Final = ("lowest-ttft", "least-requests")
+"""Where BEAR sends a request no instance is predicted to serve on time."""
+
 HARM_RULES: Final = ("none", "targets")
 """What BEAR's ``harm`` may be: ignore the residents, or push none past its target."""
 
@@ -153,6 +163,7 @@ def _bear(
     tpot_target: float = math.inf,
     harm: str = "none",
     max_slowdown: float = math.inf,
+    overload: str = "lowest-ttft",
 ) -> Selection:
     utility = [o.utility for o in options]
     if tpot_target == math.inf:
@@ -171,6 +182,18 @@ def _bear(
             "best utility among instances predicted to meet the target"
             if tpot_target == math.inf
             else "best utility among instances predicted to meet both targets",
+        )
+    if overload == "least-requests":
+        # Late anywhere, it earns no on-time utility (eq. 6): keep it off the
+        # instances that are still meeting targets for the requests that can.
+        # (Never one that cannot serve it at all: an infinite estimate.)
+        fewest = [-float(o.queue) for o in options]
+        servable = [o.ttft_s != math.inf for o in options]
+        return Selection(
+            _argmax(fewest, servable if any(servable) else None, options, salt),
+            tuple(utility),
+            tuple(feasible),
+            "no instance predicted on time: fewest requests in flight",
         )
     if tpot_target == math.inf:
         neg_ttft = [-o.ttft_s for o in options]
@@ -207,6 +230,14 @@ def _harm_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
         )
 
 
+def _overload_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if value not in OVERLOAD_RULES:
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be one of {', '.join(OVERLOAD_RULES)} "
+            f"(got {value!r})"
+        )
+
+
 def _slowdown(inst: object, att: attrs.Attribute[float], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
         raise ValueError(
@@ -227,7 +258,9 @@ def _tpot_tokens(inst: object, att: attrs.Attribute[int], value: int) -> None:
 class BEAR(TieBreaking):
     """Best accuracy - lam * cost among instances predicted (by BEA) to meet the target (eq. 5).
 
-    When none is, the instance with the lowest predicted TTFT.
+    When none is, the instance with the lowest predicted TTFT (the paper's
+    rule), or with ``overload="least-requests"`` the one with the fewest
+    requests in flight.
 
     Only feasibility and, when nothing is feasible, the lowest TTFT matter, so
     an estimate need not be exact past ``horizon_factor`` times the target: the
@@ -255,10 +288,20 @@ class BEAR(TieBreaking):
         price_all: Estimate every instance, also those that cannot be chosen
             because one of higher utility is predicted on time (by default the
             router leaves them unpriced: :attr:`prunes_by_utility`).
+        overload: Where a request goes that no instance is predicted to serve
+            on time: ``"lowest-ttft"``, the least late (for a TPOT target too:
+            relative to both targets); ``"least-requests"``, the fewest
+            requests in flight (ties: the lower predicted TTFT). Late
+            anywhere, such a request earns no on-time utility (eq. 6); sent
+            where the least is in flight, it stays off the instances that keep
+            meeting targets, the fast ones that ``"lowest-ttft"`` fills in an
+            overload. Its estimates need not be exact past the horizon, so an
+            overloaded decision costs no second look (``docs/decision-cost.md``).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
+    overload: str = attrs.field(default="lowest-ttft", validator=_overload_rule, kw_only=True)
     tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
     harm: str = attrs.field(default="targets", validator=_harm_rule, kw_only=True)
     max_slowdown: float = attrs.field(default=math.inf, validator=_slowdown, kw_only=True)
@@ -270,6 +313,12 @@ class BEAR(TieBreaking):
     def prunes_by_utility(self) -> bool:
         """The choice is the best utility among the options on time (see :class:`Selector`)."""
         return not self.price_all
+
+    @property
+    def seeks_least_late(self) -> bool:
+        """Whether a request no instance serves on time goes to the least late
+        (see :class:`Selector`)."""
+        return self.overload == "lowest-ttft"
 
     def horizon(self, ttft_target_s: float) -> float:
         """How far past a request's target (seconds) its TTFT estimates must be exact."""
@@ -289,7 +338,15 @@ class BEAR(TieBreaking):
         self, options: Sequence[Option], ttft_target_s: float, tpot_target_s: float = math.inf
     ) -> Selection:
         """See :class:`~bearsdk.selectors.Selector`."""
-        return _bear(options, ttft_target_s, self.seed, tpot_target_s, self.harm, self.max_slowdown)
+        return _bear(
+            options,
+            ttft_target_s,
+            self.seed,
+            tpot_target_s,
+            self.harm,
+            self.max_slowdown,
+            self.overload,
+        )
 
 
 @attrs.frozen

@@ -25,7 +25,9 @@ Policies:
 
 Both BEAR policies route through a :class:`~bearsdk.router.core.RouterCore`
 given the engines' own flags, with ``expect_arrivals`` (the prompts still to
-come folded into each TTFT estimate) unless told otherwise. The baselines
+come folded into each TTFT estimate) and, for a turn no instance is predicted
+to serve on time, the instance with the fewest requests in flight
+(``BEAR(overload="least-requests")``), unless told otherwise. The baselines
 read the engines' true state (their hits, queues and blocks): the best their
 inputs could be. A trace's prompt is cut to what every instance serves (its
 shared prefixes are at its front). Utility is the model's accuracy (the
@@ -190,6 +192,7 @@ def run_prefix(
     trace: str | None = None,
     max_output: int = 256,
     expect_arrivals: bool = True,
+    overload: str = "least-requests",
 ) -> PrefixRun:
     """Run one policy over agent sessions (module docstring) in virtual time.
 
@@ -211,6 +214,8 @@ def run_prefix(
         max_output: Longest output of a trace's request.
         expect_arrivals: BEAR's router folds the prompts still to come into
             its TTFT estimates (``RouterCore(expect_arrivals=True)``).
+        overload: Where both BEAR policies send a turn no instance is
+            predicted to serve on time (:data:`bearsdk.selectors.bear.OVERLOAD_RULES`).
 
     Raises:
         ValueError: An unknown policy.
@@ -275,7 +280,7 @@ def run_prefix(
     out_price = np.array([predictor.pool[c].output_price for c in range(len(predictor.models))])
     router = RouterCore(
         configs,
-        BEAR(lam=lam),
+        BEAR(lam=lam, overload=overload),
         predictor=feed,
         clock=lambda: clock[0],
         expect_arrivals=expect_arrivals,
