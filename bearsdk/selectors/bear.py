@@ -297,6 +297,8 @@ class BEAR(TieBreaking):
             meeting targets, the fast ones that ``"lowest-ttft"`` fills in an
             overload. Its estimates need not be exact past the horizon, so an
             overloaded decision costs no second look (``docs/decision-cost.md``).
+            The counts are the router's own (:attr:`Option.queue`): replicas
+            count each their own, as load balancers' least-request does.
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
