@@ -1759,10 +1759,9 @@ cdef int go(St* st, int64_t max_batches) except -1 nogil:
                     return R_FIRST_TOKEN
             if st.n_tok == 0 and st.t > st.horizon:
                 return R_HORIZON
-        elif b.preempted == 0:
-            # Nothing scheduled, nothing preempted (which would free room for
-            # the next step) and nothing in flight that could free a seat or a
-            # block: the new request can never be served.
+        else:
+            # Nothing scheduled and nothing in flight that could free a seat
+            # or a block: the new request can never be served.
             inert = True
             for j in range(st.ring_n - 1):
                 q = &st.ring[(st.ring_head + j) % 3]

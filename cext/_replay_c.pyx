@@ -1550,9 +1550,7 @@ cdef int run(State* st, Alloc* a, Pipe* p, Count* c, int64_t max_batches) except
                 return R_HORIZON
             if st.k >= max_batches:
                 return R_FIRST_TOKEN if st.n_tok else R_LIMIT
-        elif b.preempted == 0:
-            # (A step that only preempted changed the state: the next may
-            # admit what it freed room for.)
+        else:
             prev = &st.ring[st.ring_head] if st.ring_n > 1 else NULL
             if prev == NULL or (prev.nsched == 0 and prev.n_rel == 0 and prev.n_stale == 0
                                 and not prev.sampled_any):

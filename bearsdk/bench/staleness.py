@@ -236,7 +236,7 @@ def run(workload: Workload, delays_ms: Sequence[int] = DELAYS_MS) -> dict[str, A
         while arrivals and arrivals[0][0] <= t:
             arrive(*arrivals.popleft())
         batch = core.schedule()
-        if not batch and not batch.preempted and all(q.inert() for q in core.queue):
+        if not batch and all(q.inert() for q in core.queue):
             if not arrivals:
                 break
             t = max(t, arrivals[0][0])  # idle until the next arrival

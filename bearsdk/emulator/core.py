@@ -595,8 +595,7 @@ class EngineCore(Runs):
                         head.end - min(lead, 0.8 * (head.end - head.start)), measure=False
                     )
             b = core.schedule()
-            # (A step that only preempted is not idle: the next may admit.)
-            if not b and not b.preempted and all(x.batch.inert() for x in q):
+            if not b and all(x.batch.inert() for x in q):
                 # Nothing scheduled and nothing in flight that could change that:
                 # sleep until a request arrives or leaves.
                 while q:

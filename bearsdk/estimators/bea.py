@@ -381,13 +381,20 @@ class BEAEstimator:
         if memo and memo[0] is coeffs and arrival >= memo[1]:
             k = memo[2]
             if k is not None and (memo[3] or k - arrival > horizon_s):
-                return float(k - arrival)
+                return float(k - arrival) if k != -math.inf else 0.0
             # Asked again, or kept from a replay stopped short of this horizon:
             # replay now, at this arrival (a later one is reached no earlier).
             inflight = prepared.snapshot.inflight_remaining_s or 0.0
             h = _replay_horizon(horizon_s, prepared, arrival)
             start = max(arrival - inflight, 0.0)
             t = float(prepared.replayer.ttft(prepared.state, 1, 1, coeffs, 1, None, h, start))
+            if t == math.inf:
+                # Never admitted: a state stuck before it is (a resident that
+                # preempts itself for good). The replay ends there, but one
+                # arriving after the stuck step waits idle for it and goes on:
+                # it orders nothing. No bound, for good.
+                memo[1:] = arrival, -math.inf, True
+                return 0.0
             memo[1:] = arrival, t + inflight, t <= h
             return t + inflight - arrival
         memo[:] = [coeffs, arrival, None, False]

@@ -440,9 +440,7 @@ class SchedulerCore:
                         return self._result(tk, tt)
                 if not tk and t > horizon:
                     return ReplayResult(0, t, StopReason.HORIZON, self._batches())
-            elif not batch.preempted and all(q.inert() for q in self.queue):
-                # (A step that only preempted changed the state: the next may
-                # admit what it freed room for.)
+            elif all(q.inert() for q in self.queue):
                 if tk:
                     # Preempted past its first token and never able to resume.
                     return self._result(tk, tt)
@@ -478,7 +476,7 @@ class SchedulerCore:
             if batch.sched:
                 k += 1
                 t += self.account(batch)
-            elif not batch.preempted and all(q.inert() for q in self.queue):
+            elif all(q.inert() for q in self.queue):
                 break  # run dry: nothing left that could form a batch
             if work >= max_work:
                 break

@@ -353,8 +353,7 @@ class SimEngine:
         if self._depth == 1 and q:
             self._finished(core.process(q.popleft()), t)
         b = core.schedule()
-        # (A step that only preempted is not idle: the next may admit.)
-        if not b and not b.preempted and all(x.inert() for x in q):
+        if not b and all(x.inert() for x in q):
             while q:
                 self._finished(core.process(q.popleft()), t)
             self._idle = True

@@ -241,7 +241,7 @@ class FastForward:
             if batch:
                 dt = core.account(batch)
                 self._batches += 1
-            elif not batch.preempted and all(q.inert() for q in core.queue):
+            elif all(q.inert() for q in core.queue):
                 self._idle = True
                 continue
             if batch:
