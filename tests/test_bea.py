@@ -142,8 +142,9 @@ def test_a_stuck_state_orders_no_arrivals_and_keeps_no_bound(impl: str) -> None:
     late = est.estimate(prep, 1, 1, arrival_s=0.2)
     assert late.stop_reason is StopReason.FIRST_TOKEN
     assert late.ttft_s < 0.01
-    for arrival in (0.0, 0.0, 0.2, 0.0):
+    for arrival in (0.0, 0.0, 0.2, 0.1):
         assert est.admission_bound(prep, arrival) == 0.0
+    assert prep.admission[1:] == [-math.inf, -math.inf, True]  # kept for every arrival
 
 
 def test_never_admitted_is_infinite(impl: str) -> None:

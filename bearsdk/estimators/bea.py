@@ -392,8 +392,8 @@ class BEAEstimator:
                 # Never admitted: a state stuck before it is (a resident that
                 # preempts itself for good). The replay ends there, but one
                 # arriving after the stuck step waits idle for it and goes on:
-                # it orders nothing. No bound, for good.
-                memo[1:] = arrival, -math.inf, True
+                # it orders nothing. No bound, for good, at any arrival.
+                memo[1:] = -math.inf, -math.inf, True
                 return 0.0
             memo[1:] = arrival, t + inflight, t <= h
             return t + inflight - arrival
