@@ -103,35 +103,12 @@ def test_a_stuck_state_orders_no_arrivals_and_keeps_no_bound(impl: str) -> None:
     # request already waiting. One arriving after that step waits idle for it
     # and is admitted, so in such a state arriving later can mean a first token
     # earlier, and the one-token bound (docs/decision-cost.md) keeps nothing.
-    from bearsdk.schedulers import BoundScheduler
+    import attrs
+    from test_replay_regressions import custom
 
-    pol = BoundScheduler(
-        name="custom",
-        token_budget=16,
-        max_seqs=2,
-        max_model_len=0,
-        budget_count="tokens",
-        stages=("running", "waiting"),
+    pol = attrs.evolve(
+        custom(seqs=2, async_scheduling=False, chunked=False, keep_outputs=False).with_kv(1, 2),
         exclusive=True,
-        admit_after_preemption=False,
-        async_scheduling=False,
-        chunked_prefill=False,
-        chunk_cap=0,
-        cap_exempt_when_alone=False,
-        on_blocked="stop",
-        reserve_full_sequence=False,
-        block_size=1,
-        num_blocks=2,
-        reserved_blocks=0,
-        allocate="on-demand",
-        watermark=0.0,
-        watermark_applies="always",
-        decode_needs_free_block=False,
-        victim="newest",
-        requeue="front",
-        keep_outputs=False,
-        prefix_caching=False,
-        params=(("budget", 16),),
     )
     table = np.array([[1, 1, 0, 1, -1, 3, 0]], dtype=np.int64)
     snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=("r0",), table=table)
