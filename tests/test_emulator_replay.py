@@ -73,7 +73,7 @@ async def test_replay_from_published_snapshot_predicts_first_token_batch(case: s
             tg.start_soon(background)
             for k in range(25):
                 await anyio.sleep(rng.uniform(0.0, 0.01))
-                await _until(lambda: eng.snapshot_current)
+                await _until(lambda: eng.snapshot_current and not probe_waiting())
                 # Same task, no await: the probe arrives exactly in the published state.
                 snap = eng.captured_snapshot
                 p, n = rng.randint(1, 400), rng.randint(1, 30)

@@ -479,6 +479,10 @@ class EngineCore(Runs):
     def _launch(self, b: ScheduledBatch) -> _InFlight:
         now = anyio.current_time()
         if not b:
+            # The step a snapshot with a batch in flight offers to new arrivals is
+            # spent: one arriving now waits for that batch to complete, so the
+            # published state no longer tells a replay when it is scheduled.
+            self._version += 1
             return _InFlight(b, now, now, None)
         self._batches += 1
         self._version += 1
