@@ -1954,6 +1954,12 @@ cdef class Replayer:
     cdef public bint resume
     cdef int64_t serial     # names it in the checkpoints it takes
     cdef bint resumed
+    # The last new request's keys, converted: a router prices one request at
+    # many instances with one chain, and a tuple cannot change behind it.
+    cdef object keys_obj
+    cdef int64_t* keys_buf
+    cdef int64_t keys_cap
+    cdef int64_t keys_n
     implementation = IMPLEMENTATION
 
     def __cinit__(self):
@@ -1984,6 +1990,7 @@ cdef class Replayer:
 
     def __dealloc__(self):
         cdef St* st = &self.st
+        free(self.keys_buf)
         free(st.r)
         free(st.rep)
         free(st.run)
@@ -2311,8 +2318,9 @@ cdef class Replayer:
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
         out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
         cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
-        cdef list keys = _key_list(prefix_keys)
-        nk = imin(len(keys), prompt // self.P.bs)
+        if prefix_keys is None or prefix_keys is not self.keys_obj:
+            self._convert_keys(prefix_keys)
+        nk = imin(self.keys_n, prompt // self.P.bs)
         self._ensure(pr)
         read_coeffs(&st.c, coeffs)
         st.cur += 1
@@ -2377,9 +2385,7 @@ cdef class Replayer:
         st.n_tok = 0
         if nk:
             mem_reserve(<void**>&st.ak, &st.ak_cap, nk, 256, sizeof(int64_t))
-            for i in range(nk):
-                # In [0, 2**63) (checked by _key_list): the digits as they are.
-                st.ak[i] = <int64_t>PyLong_AsUnsignedLongLongMask(keys[i])
+            memcpy(st.ak, self.keys_buf, sizeof(int64_t) * nk)
             st.ak_n = nk
         q.key_own = 1
         q.key_off = 0
@@ -2410,6 +2416,22 @@ cdef class Replayer:
             b0.vt = -1
             for i in range(pr.n_b0):
                 samp_add(b0, pr.b0[i], pr.b0_got[i])
+        return 0
+
+    cdef int _convert_keys(self, object prefix_keys) except -1:
+        """Check and convert the new request's keys (kept while they are one tuple)."""
+        cdef list keys = _key_list(prefix_keys)
+        cdef int64_t i, n = len(keys)
+        self.keys_obj = None
+        self.keys_n = 0
+        if n:
+            mem_reserve(<void**>&self.keys_buf, &self.keys_cap, n, 256, sizeof(int64_t))
+            for i in range(n):
+                # In [0, 2**63) (checked by _key_list): the digits as they are.
+                self.keys_buf[i] = <int64_t>PyLong_AsUnsignedLongLongMask(keys[i])
+        self.keys_n = n
+        if type(prefix_keys) is tuple:
+            self.keys_obj = prefix_keys
         return 0
 
     def ttft(self, Prepared prepared, prompt_tokens, output_len, coeffs, max_tokens=-1,

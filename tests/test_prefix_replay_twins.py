@@ -220,6 +220,34 @@ def test_a_replay_that_names_blocks_from_a_run_and_evicts_matches_the_twin() -> 
     assert out[PyReplayer].first_token_batch > 3
 
 
+def test_a_chain_kept_as_a_tuple_prices_as_its_list_whatever_came_between() -> None:
+    # The compiled replayer keeps the last tuple's converted keys: a list, another
+    # tuple, a bad chain or another prompt length between two uses must not leak.
+    arrivals = [(s, 0, 320, 300, 30) for s in range(0, 12, 2)]
+    pol, rng, snap = _run_engine("sync-scarce", arrivals, 25, 7)
+    assert snap.kv is not None
+    a = chain_keys(tokens(rng, 0, 400, 400), pol.block_size)
+    b = chain_keys(tokens(rng, 1, 100, 300), pol.block_size)
+    py, cr = PyReplayer(pol), ApcReplayer(pol)
+    pp, cp = (
+        rp.prepare(snap.table, snap.kv.free_blocks, snap.ids, cache=snap.prefix_cache)
+        for rp in (py, cr)
+    )
+    ta, tb = tuple(a), tuple(b)
+    calls: list[tuple[int, object]] = [
+        (400, ta), (400, a), (300, tb), (400, ta), (400, ta), (300, b), (160, ta),
+        (400, None), (400, ta), (300, ()), (300, tb),
+    ]  # fmt: skip
+    for prompt, keys in calls:
+        want = py.replay(pp, prompt, 5, COEFFS, record=True, prefix_keys=keys)
+        assert cr.replay(cp, prompt, 5, COEFFS, record=True, prefix_keys=keys) == want
+        assert cr.ttft(cp, prompt, 5, COEFFS, prefix_keys=keys) == want.ttft_s
+    with pytest.raises(ValueError, match=r"prefix_keys\[1\]"):
+        cr.replay(cp, 400, 5, prefix_keys=(a[0], -1))
+    want = py.replay(pp, 400, 5, COEFFS, record=True, prefix_keys=ta)
+    assert cr.replay(cp, 400, 5, COEFFS, record=True, prefix_keys=ta) == want
+
+
 def test_bad_prefix_keys_and_foreign_states_are_refused() -> None:
     pol, _, snap = _run_engine("async-roomy", [(0, 1, 200, 200, 5)], 6, 1)
     assert snap.kv is not None

@@ -21,14 +21,18 @@ class PromptIds:
 
     ids: list[int]
     reused: int = 0
-    _chains: dict[int, list[int]] = attrs.field(factory=dict, alias="_chains")
+    _chains: dict[int, tuple[int, ...]] = attrs.field(factory=dict, alias="_chains")
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def chain(self, block_size: int) -> list[int]:
-        """The content keys of the prompt's full blocks of ``block_size`` tokens."""
+    def chain(self, block_size: int) -> tuple[int, ...]:
+        """The content keys of the prompt's full blocks of ``block_size`` tokens.
+
+        One tuple per block size, the same object on every call: the compiled
+        replay converts a chain once for all the instances it prices.
+        """
         got = self._chains.get(block_size)
         if got is None:
-            got = self._chains[block_size] = chain_keys(self.ids, block_size)
+            got = self._chains[block_size] = tuple(chain_keys(self.ids, block_size))
         return got

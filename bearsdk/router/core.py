@@ -243,7 +243,7 @@ class RouterCore(RouterFeedback):
         self.expect_arrivals = expect_arrivals
         # The prompt keys each candidate was priced with, by (request, instance):
         # a dispatch's place in the instance's view hits its cache with them.
-        self._dispatch_keys: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._dispatch_keys: OrderedDict[tuple[str, str], Sequence[int]] = OrderedDict()
         self._slots: dict[str, InstanceSlot] = {}
         self._lengths: dict[str, RememberedLengths] = {}
         self._models = list(self.predictor.models)
@@ -504,7 +504,7 @@ class RouterCore(RouterFeedback):
             if self.dispatch_prefixes and any(s.dispatches is not None for s in slots)
             else None
         )
-        priced: dict[str, list[int]] = {}
+        priced: dict[str, Sequence[int]] = {}
         ask = Ask(cols, max_tokens, now, follow, ids, (text, approx), priced)
 
         def select(options: list[Option]) -> Selection:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bearsdk.errors import BearError
@@ -36,7 +36,7 @@ class RouterFeedback:
     clock: Callable[[], float]
     hooks: RouterHooks
     predictor: PoolPredictor
-    _dispatch_keys: OrderedDict[tuple[str, str], list[int]]
+    _dispatch_keys: OrderedDict[tuple[str, str], Sequence[int]]
 
     def slot(self, name: str) -> InstanceSlot:
         """The slot of instance ``name`` (RouterCore's)."""

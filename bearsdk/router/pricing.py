@@ -11,7 +11,7 @@ hands the rows to the selector.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -130,7 +130,7 @@ class Ask:
     next_tokens: int = 0
     ids: PromptIds | dict[str, PromptIds] | None = None
     approx: tuple[str, list[int] | None] = ("", None)
-    priced: dict[str, list[int]] | None = None
+    priced: dict[str, Sequence[int]] | None = None
 
 
 class _PerModel(dict[int, tuple[float, int, int, float, float, PromptIds | None]]):
@@ -207,7 +207,7 @@ def _price(
     isfinite, inf, nan = math.isfinite, math.inf, math.nan
     for s in slots:
         acc, out, ptok, cost, utility, p = per_model[s.model_index]
-        keys: list[int] | None
+        keys: Sequence[int] | None
         if p is None and s.dispatches is None:
             keys, cached, source, eptok = None, -1, "", ptok
         else:
@@ -217,7 +217,7 @@ def _price(
             est = core.estimator_for(s, kind)
         # (Only a selector that weighs residents needs them: min() is O(requests there).)
         tight = min(s.tpot_targets.values(), default=inf) if weigh else inf
-        prefix_keys: list[int] | None = None
+        prefix_keys: Sequence[int] | None = None
         if keys is not None and p is not None and getattr(est, "prefix_aware", False):
             # With the instance's KV events: its snapshot names blocks by vLLM's
             # hashes, which the index maps the prompt's content keys to.
@@ -300,7 +300,7 @@ def _estimate(
     horizon: float,
     next_tokens: int,
     residents: bool,
-    prefix_keys: list[int] | None,
+    prefix_keys: Sequence[int] | None,
 ) -> tuple[float, LatencyFields]:
     """Any registered estimator's estimate of ``request`` (prompt and output
     tokens, output cap, time), as ``(overhead, fields)``: each estimator is
@@ -339,11 +339,11 @@ def _split_ids(
 
 def _cached(
     s: InstanceSlot, p: PromptIds | None, ptok: int, approx: tuple[str, list[int] | None]
-) -> tuple[list[int], int, str, int]:
+) -> tuple[Sequence[int], int, str, int]:
     """The prompt's block keys at ``s``, the tokens ``s`` holds of it and where
     that is known from, and the prompt tokens left to price."""
     cached, source = -1, ""
-    keys: list[int] = []
+    keys: Sequence[int] = ()
     if p is not None:
         bs = block_size(s)
         keys = p.chain(bs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -107,7 +108,7 @@ def first_token_overhead(s: InstanceSlot, now: float) -> float:
     return o if idle <= 0.0 else o * math.exp(-idle / OVERHEAD_MEMORY_S)
 
 
-def cached_tokens(s: InstanceSlot, keys: list[int], bs: int) -> tuple[int, str]:
+def cached_tokens(s: InstanceSlot, keys: Sequence[int], bs: int) -> tuple[int, str]:
     """The prompt tokens ``s`` last said it held and how it said it (its KV events,
     else its snapshot's block pool; ``-1``: unknown)."""
     if s.kv_index is not None:
