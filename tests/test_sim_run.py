@@ -74,6 +74,15 @@ def test_a_router_run_is_deterministic_and_consistent(requests: RequestSet) -> N
     # BEA's estimates, scored against what happened.
     assert "bea" in a.ttft_mape
     assert 0.0 < a.ttft_mape["bea"] < 1.0
+    # Each figure's count: the estimators' share the requests scored, and
+    # weighing their figures by them gives the overall one (how runs pool).
+    n = a.ttft_mape_n
+    assert set(n) == set(a.ttft_mape)
+    assert 0 < n["all"] <= N
+    assert sum(v for k, v in n.items() if k != "all") == n["all"]
+    pooled = sum(a.ttft_mape[k] * v for k, v in n.items() if k != "all") / n["all"]
+    assert pooled == pytest.approx(a.ttft_mape["all"], rel=1e-12)
+    assert a.as_dict()["ttft_mape_n"] == n
     assert a.batches > 0
     assert a.mean_ttft_s > 0
 

@@ -638,17 +638,22 @@ def _measure(
             "missed": int((mine & ~met).sum()),
         }
     mape: dict[str, float] = {}
+    mape_n: dict[str, int] = {}
     # Both from dispatch: a held request's prediction was made when it was sent.
     service = first - sent
     ok = served & np.isfinite(predicted) & (service > 0)
     if ok.any():
         err = np.abs(predicted[ok] - service[ok]) / service[ok]
         mape["all"] = float(err.mean())
+        mape_n["all"] = int(err.size)
         est = np.array(estimator, dtype=object)[ok]
         for name in sorted(set(est.tolist())):
-            mape[str(name)] = float(err[est == name].mean())
+            mine = est == name
+            mape[str(name)] = float(err[mine].mean())
+            mape_n[str(name)] = int(mine.sum())
     else:
         mape["all"] = math.nan
+        mape_n["all"] = 0
     step = max(1, n // _SAMPLES)
     wait = sent - times
     samples = tuple(
@@ -673,6 +678,7 @@ def _measure(
         p90_ttft_s=float(np.quantile(got, 0.9)) if got.size else math.nan,
         composition=comp,
         ttft_mape=mape,
+        ttft_mape_n=mape_n,
         wall_s=wall_s,
         decide_us=decide_s / max(n if decided is None else decided, 1) * 1e6,
         batches=batches,

@@ -283,6 +283,8 @@ class RunResult:
         ttft_mape: MAPE of the policy's TTFT prediction for the chosen instance
             (``nan`` when it predicts none), overall and by estimator used; a
             held request's prediction and TTFT both count from its dispatch.
+        ttft_mape_n: The requests each of ``ttft_mape``'s figures averages
+            over (to pool runs: weigh each run's figure by its count).
         wall_s: Wall time of the run.
         decide_us: Mean wall time of a routing decision, microseconds (a held
             request's rechecks are decisions too).
@@ -342,6 +344,7 @@ class RunResult:
     reject_decide_us_max: float | None = None
     reject_decide_us_p99: float | None = None
     tpot: dict[str, float | None] = attrs.field(factory=dict)
+    ttft_mape_n: dict[str, int] = attrs.field(factory=dict)
 
     def as_dict(self, *, admission: bool | None = None) -> dict[str, Any]:
         """The JSON form (without samples).
@@ -392,6 +395,7 @@ class RunResult:
             "p90_ttft_s": self.p90_ttft_s,
             "composition": self.composition,
             "ttft_mape": self.ttft_mape,
+            "ttft_mape_n": self.ttft_mape_n,
             "batches": self.batches,
             "decide_us": self.decide_us,
             "wall_s": self.wall_s,
