@@ -147,6 +147,12 @@ def test_without_ids_or_events_the_router_estimates_the_prefix_from_its_dispatch
     ttft = {c.instance: c.ttft_s for c in d.candidates}
     assert ttft[sent] < 0.5 * ttft[other]
     assert "cached ~" in d.explain()
+    # BEAR's options carry the same cached tokens: its home affinity finds them.
+    home = RouterCore(cfgs, BEAR(affinity="home"), dispatch_prefixes=True)
+    went = home.decide(_conversation(2, 2000), ttft_target=5.0).instance
+    d = home.decide(msgs, ttft_target=5.0)
+    assert d.instance == went
+    assert d.reason == "the instance holding the request's prefix, predicted on time"
     # An instance without prefix caching gets no estimate, and none is the default.
     no_apc = attrs.evolve(cfgs[0], scheduler_params={"enable_prefix_caching": False})
     off = RouterCore([no_apc], BEAR(), dispatch_prefixes=True)

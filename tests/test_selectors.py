@@ -87,6 +87,37 @@ def test_bear_least_requests_overload() -> None:
         BEAR(overload="fewest")
 
 
+def test_bear_home_affinity() -> None:
+    home = BEAR(lam=LAM, affinity="home")
+    assert not home.prunes_by_utility  # the home must be priced, whatever its utility
+    assert BEAR().prunes_by_utility
+
+    def cached(*tokens: int) -> list[Option]:
+        return [
+            Option(o.instance, o.model, o.accuracy, o.cost, o.utility, o.ttft_s, o.queue,
+                   cached_tokens=t)
+            for o, t in zip(POOL, tokens, strict=True)
+        ]  # fmt: skip
+
+    # small holds the session's turns (clearly more than any other) and is on time.
+    s = home.select(cached(2000, 0, 512), 0.4)
+    assert s.index == 0
+    assert s.feasible == (True, True, False)
+    assert s.reason == "the instance holding the request's prefix, predicted on time"
+    assert BEAR(lam=LAM).select(cached(2000, 0, 512), 0.4).index == 1  # eq. 5 as it is
+    # Late there: the best utility on time, as without affinity.
+    assert home.select(cached(0, 0, 2000), 0.4).index == 1
+    # Not clearly ahead (a shared system prompt everywhere): no home.
+    assert home.select(cached(2000, 1800, 0), 0.4).index == 1
+    assert home.select(cached(2000, 2000, 0), 0.4).index == 1
+    assert home.select(cached(-1, -1, -1), 0.4).index == 1  # unknown
+    # Nothing on time: the overload rule, home or not.
+    assert home.select(cached(2000, 0, 0), 0.05).index == BEAR().select(POOL, 0.05).index
+    with pytest.raises(ValueError, match=r"BEAR.affinity must be one of none, home "
+                       r"\(got 'sticky'\)"):  # fmt: skip
+        BEAR(affinity="sticky")
+
+
 def test_prefill_tps_uses_bear_rule_with_its_own_estimates() -> None:
     assert PrefillTPS().latency == "prefill-tps"
     assert PrefillTPS().select(POOL, 0.4).index == BEAR().select(POOL, 0.4).index

@@ -70,6 +70,7 @@ def _main(args: argparse.Namespace) -> int:
                 trace=trace,
                 expect_arrivals=not args.no_arrivals,
                 overload=args.overload,
+                affinity=args.affinity,
             )
             runs.append(r.as_dict())
             if not args.json:
@@ -121,7 +122,7 @@ def _gain(a: float, b: float) -> str:
 
 def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the ``prefix-routing`` benchmark."""
-    from bearsdk.selectors.bear import OVERLOAD_RULES
+    from bearsdk.selectors.bear import AFFINITY_RULES, OVERLOAD_RULES
     from bearsdk.sim.prefix import PREFIX_POLICIES
 
     p = bsub.add_parser(
@@ -168,6 +169,13 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         default="least-requests",
         help="where both BEAR policies send a turn no instance is predicted to serve on "
         "time (default least-requests; lowest-ttft: the paper's)",
+    )
+    p.add_argument(
+        "--affinity",
+        choices=AFFINITY_RULES,
+        default="none",
+        help="both BEAR policies' affinity (home: a turn stays where its session's prefix "
+        "is cached when that is predicted on time)",
     )
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(func=_main)

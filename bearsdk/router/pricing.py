@@ -270,6 +270,7 @@ def _price(
             itl,
             itl_base,
             tight,
+            cached,
         )
         if floor is not None and option.ttft_s < horizon:
             horizon = max(floor, option.ttft_s)
@@ -382,7 +383,9 @@ def unpriced(
         n = s.inflight
         rows.append(
             (
-                Option(s.name, s.config.model, acc, cost, utility, math.inf, n, n),
+                Option(
+                    s.name, s.config.model, acc, cost, utility, math.inf, n, n, cached_tokens=cached
+                ),
                 UNPRICED,
                 math.inf if entry is None else entry.age(now),
                 ptok,

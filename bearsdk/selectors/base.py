@@ -54,10 +54,13 @@ class Option:
         resident_tpot_target_s: The tightest TPOT target among the requests
             the router sent there and that are still there (``inf``: none, or
             the selector weighs no residents).
+        cached_tokens: The request's prompt tokens the instance is known to
+            hold in its prefix cache (``-1``: unknown).
     """
 
     __slots__ = (
         "accuracy",
+        "cached_tokens",
         "cost",
         "instance",
         "model",
@@ -87,6 +90,7 @@ class Option:
         resident_itl_s: float = float("nan"),
         resident_itl_base_s: float = float("nan"),
         resident_tpot_target_s: float = float("inf"),
+        cached_tokens: int = -1,
     ) -> None:
         self.instance = instance
         self.model = model
@@ -101,6 +105,7 @@ class Option:
         self.resident_itl_s = resident_itl_s
         self.resident_itl_base_s = resident_itl_base_s
         self.resident_tpot_target_s = resident_tpot_target_s
+        self.cached_tokens = cached_tokens
 
     def __repr__(self) -> str:
         return (

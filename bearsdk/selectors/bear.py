@@ -22,7 +22,9 @@ from bearsdk.replay.types import MAX_NEXT_TOKENS
 from bearsdk.selectors.base import Option, Selection
 
 __all__ = [
+    "AFFINITY_RULES",
     "BEAR",
+    "HOME_MARGIN_TOKENS",
     "OVERLOAD_RULES",
     "Lagrangian",
     "LatencyAgnostic",
@@ -135,6 +137,25 @@ def _horizon(factor: float, target: float) -> float:
 
 
 OVERLOAD_RULES: Final = ("lowest-ttft", "least-requests")
+AFFINITY_RULES: Final = ("none", "home")
+HOME_MARGIN_TOKENS: Final = 256
+"""How many more prompt tokens than any other candidate an instance must hold
+cached to be the request's home (``BEAR(affinity="home")``): more than a
+shared system prompt's blocks, a session's own turns."""
+
+
+def _home(options: Sequence[Option]) -> int:
+    """The option holding clearly the most of the prompt cached (``-1``: none does)."""
+    best, first, second = -1, 0, 0
+    for i, o in enumerate(options):
+        c = o.cached_tokens
+        if c > first:
+            best, first, second = i, c, first
+        elif c > second:
+            second = c
+    return best if first - second >= HOME_MARGIN_TOKENS else -1
+
+
 """Where BEAR sends a request no instance is predicted to serve on time."""
 
 HARM_RULES: Final = ("none", "targets")
@@ -164,6 +185,7 @@ def _bear(
     harm: str = "none",
     max_slowdown: float = math.inf,
     overload: str = "lowest-ttft",
+    affinity: str = "none",
 ) -> Selection:
     utility = [o.utility for o in options]
     if tpot_target == math.inf:
@@ -175,6 +197,15 @@ def _bear(
             for o in options
         ]
     if any(feasible):
+        if affinity == "home":
+            home = _home(options)
+            if home >= 0 and feasible[home]:
+                return Selection(
+                    home,
+                    tuple(utility),
+                    tuple(feasible),
+                    "the instance holding the request's prefix, predicted on time",
+                )
         return Selection(
             _argmax(utility, feasible, options, salt),
             tuple(utility),
@@ -234,6 +265,14 @@ def _overload_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
     if value not in OVERLOAD_RULES:
         raise ValueError(
             f"{type(inst).__name__}.{att.name} must be one of {', '.join(OVERLOAD_RULES)} "
+            f"(got {value!r})"
+        )
+
+
+def _affinity_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
+    if value not in AFFINITY_RULES:
+        raise ValueError(
+            f"{type(inst).__name__}.{att.name} must be one of {', '.join(AFFINITY_RULES)} "
             f"(got {value!r})"
         )
 
@@ -299,6 +338,16 @@ class BEAR(TieBreaking):
             overloaded decision costs no second look (``docs/decision-cost.md``).
             The counts are the router's own (:attr:`Option.queue`): replicas
             count each their own, as load balancers' least-request does.
+        affinity: ``"home"``: among the instances predicted on time, the one
+            holding clearly the most of the request's prompt cached
+            (:data:`HOME_MARGIN_TOKENS` more than any other: a session's own
+            earlier turns) is chosen even where another has a better utility.
+            Eq. 4 prices this request alone; kept home, a session's later turns
+            find their prefix there, and no second instance evicts others'
+            blocks to hold a copy. The router then prices every instance (no
+            pruning by utility). ``"none"``: eq. 5 as it is. Needs the
+            prompt's cached tokens per instance (``Option.cached_tokens``:
+            token ids and the instances' blocks or KV events).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
@@ -308,13 +357,14 @@ class BEAR(TieBreaking):
     harm: str = attrs.field(default="targets", validator=_harm_rule, kw_only=True)
     max_slowdown: float = attrs.field(default=math.inf, validator=_slowdown, kw_only=True)
     price_all: bool = attrs.field(default=False, validator=_flag, kw_only=True)
+    affinity: str = attrs.field(default="none", validator=_affinity_rule, kw_only=True)
     name: str = "bear"
     latency: str = "bea"
 
     @property
     def prunes_by_utility(self) -> bool:
         """The choice is the best utility among the options on time (see :class:`Selector`)."""
-        return not self.price_all
+        return not self.price_all and self.affinity == "none"
 
     @property
     def seeks_least_late(self) -> bool:
@@ -348,6 +398,7 @@ class BEAR(TieBreaking):
             self.harm,
             self.max_slowdown,
             self.overload,
+            self.affinity,
         )
 
 

@@ -193,6 +193,7 @@ def run_prefix(
     max_output: int = 256,
     expect_arrivals: bool = True,
     overload: str = "least-requests",
+    affinity: str = "none",
 ) -> PrefixRun:
     """Run one policy over agent sessions (module docstring) in virtual time.
 
@@ -216,6 +217,9 @@ def run_prefix(
             its TTFT estimates (``RouterCore(expect_arrivals=True)``).
         overload: Where both BEAR policies send a turn no instance is
             predicted to serve on time (:data:`bearsdk.selectors.bear.OVERLOAD_RULES`).
+        affinity: Both BEAR policies' ``BEAR.affinity`` (``"home"``: a turn
+            stays where its session's prefix is cached when that is on time;
+            blind ``bear`` knows no cached tokens, so it is unchanged).
 
     Raises:
         ValueError: An unknown policy.
@@ -280,7 +284,7 @@ def run_prefix(
     out_price = np.array([predictor.pool[c].output_price for c in range(len(predictor.models))])
     router = RouterCore(
         configs,
-        BEAR(lam=lam, overload=overload),
+        BEAR(lam=lam, overload=overload, affinity=affinity),
         predictor=feed,
         clock=lambda: clock[0],
         expect_arrivals=expect_arrivals,
