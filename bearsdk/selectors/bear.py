@@ -137,7 +137,9 @@ def _horizon(factor: float, target: float) -> float:
 
 
 OVERLOAD_RULES: Final = ("lowest-ttft", "least-requests")
+"""Where BEAR sends a request no instance is predicted to serve on time."""
 AFFINITY_RULES: Final = ("none", "home")
+"""What BEAR's ``affinity`` may be: eq. 5 as it is, or the request's home when on time."""
 HOME_MARGIN_TOKENS: Final = 256
 """How many more prompt tokens than any other candidate an instance must hold
 cached to be the request's home (``BEAR(affinity="home")``): more than a
@@ -155,8 +157,6 @@ def _home(options: Sequence[Option]) -> int:
             second = c
     return best if first - second >= HOME_MARGIN_TOKENS else -1
 
-
-"""Where BEAR sends a request no instance is predicted to serve on time."""
 
 HARM_RULES: Final = ("none", "targets")
 """What BEAR's ``harm`` may be: ignore the residents, or push none past its target."""
@@ -347,7 +347,8 @@ class BEAR(TieBreaking):
             blocks to hold a copy. The router then prices every instance (no
             pruning by utility). ``"none"``: eq. 5 as it is. Needs the
             prompt's cached tokens per instance (``Option.cached_tokens``:
-            token ids and the instances' blocks or KV events).
+            token ids with the instances' blocks or KV events, or the router's
+            own dispatch index).
     """
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
