@@ -2318,9 +2318,12 @@ cdef class Replayer:
         prompt = tokens_arg(prompt_tokens, "prompt_tokens", 1, check_tokens)
         out_len = tokens_arg(output_len, "output_len", MIN_ANY, check_tokens)
         cap_tokens = tokens_arg(max_tokens, "max_tokens", MIN_ANY, check_tokens)
-        if prefix_keys is None or prefix_keys is not self.keys_obj:
-            self._convert_keys(prefix_keys)
-        nk = imin(self.keys_n, prompt // self.P.bs)
+        nk = 0
+        if prefix_keys is not None:
+            # (None leaves the kept chain for the next call that brings it.)
+            if prefix_keys is not self.keys_obj:
+                self._convert_keys(prefix_keys)
+            nk = imin(self.keys_n, prompt // self.P.bs)
         self._ensure(pr)
         read_coeffs(&st.c, coeffs)
         st.cur += 1
