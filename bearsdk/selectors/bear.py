@@ -13,7 +13,7 @@ else the counts), so a decision stays a function of the state.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import attrs
@@ -253,28 +253,17 @@ def _flag(inst: object, att: attrs.Attribute[bool], value: bool) -> None:
         raise ValueError(f"{type(inst).__name__}.{att.name} must be true or false (got {value!r})")
 
 
-def _harm_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
-    if value not in HARM_RULES:
-        raise ValueError(
-            f"{type(inst).__name__}.{att.name} must be one of {', '.join(HARM_RULES)} "
-            f"(got {value!r})"
-        )
+def _one_of(rules: tuple[str, ...]) -> Callable[[object, attrs.Attribute[str], str], None]:
+    """A validator: the field's value is one of ``rules``."""
 
+    def check(inst: object, att: attrs.Attribute[str], value: str) -> None:
+        if value not in rules:
+            raise ValueError(
+                f"{type(inst).__name__}.{att.name} must be one of {', '.join(rules)} "
+                f"(got {value!r})"
+            )
 
-def _overload_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
-    if value not in OVERLOAD_RULES:
-        raise ValueError(
-            f"{type(inst).__name__}.{att.name} must be one of {', '.join(OVERLOAD_RULES)} "
-            f"(got {value!r})"
-        )
-
-
-def _affinity_rule(inst: object, att: attrs.Attribute[str], value: str) -> None:
-    if value not in AFFINITY_RULES:
-        raise ValueError(
-            f"{type(inst).__name__}.{att.name} must be one of {', '.join(AFFINITY_RULES)} "
-            f"(got {value!r})"
-        )
+    return check
 
 
 def _slowdown(inst: object, att: attrs.Attribute[float], value: float) -> None:
@@ -353,12 +342,14 @@ class BEAR(TieBreaking):
 
     lam: float = attrs.field(default=5e-4, validator=_nonneg)
     horizon_factor: float = attrs.field(default=2.0, validator=_horizon_factor, kw_only=True)
-    overload: str = attrs.field(default="lowest-ttft", validator=_overload_rule, kw_only=True)
+    overload: str = attrs.field(
+        default="lowest-ttft", validator=_one_of(OVERLOAD_RULES), kw_only=True
+    )
     tpot_tokens: int = attrs.field(default=32, validator=_tpot_tokens, kw_only=True)
-    harm: str = attrs.field(default="targets", validator=_harm_rule, kw_only=True)
+    harm: str = attrs.field(default="targets", validator=_one_of(HARM_RULES), kw_only=True)
     max_slowdown: float = attrs.field(default=math.inf, validator=_slowdown, kw_only=True)
     price_all: bool = attrs.field(default=False, validator=_flag, kw_only=True)
-    affinity: str = attrs.field(default="none", validator=_affinity_rule, kw_only=True)
+    affinity: str = attrs.field(default="none", validator=_one_of(AFFINITY_RULES), kw_only=True)
     name: str = "bear"
     latency: str = "bea"
 
