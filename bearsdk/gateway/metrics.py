@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from bearsdk.router.lite_metrics import CounterSeries, HistogramSeries, LiteMetrics
+
 __all__ = ["GatewayMetrics", "ModelMetrics"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -44,71 +46,63 @@ _DECIDE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3, 20e-3)
 class ModelMetrics(NamedTuple):
     """One (asked model, chosen model) pair's series, resolved once."""
 
-    duration: Any
-    ttft: Any
-    predicted_ttft: Any
-    prediction_duration: Any
-    slo_violations: Any
+    duration: HistogramSeries
+    ttft: HistogramSeries
+    predicted_ttft: HistogramSeries
+    prediction_duration: HistogramSeries
+    slo_violations: CounterSeries
 
 
 class GatewayMetrics:
-    """The table above, in a registry of its own (``prometheus_client``).
+    """The table above, exposed through a ``prometheus_client`` registry
+    (:mod:`bearsdk.router.lite_metrics`: an update is an addition).
 
     Args:
         registry: A ``prometheus_client.CollectorRegistry``.
     """
 
     def __init__(self, registry: Any) -> None:
-        import prometheus_client as prom
-
-        kw: dict[str, Any] = {"namespace": "bearsdk_gateway", "registry": registry}
+        m = LiteMetrics(registry, "bearsdk_gateway")
         models = ["model_name", "target_model_name"]
-        self.requests = prom.Counter("request", "Requests answered", [*models, "code"], **kw)
-        self.errors = prom.Counter(
-            "request_error", "Requests refused or failed", ["model_name", "error_code"], **kw
+        self.requests = m.counter("request", "Requests answered", [*models, "code"])
+        self.errors = m.counter(
+            "request_error", "Requests refused or failed", ["model_name", "error_code"]
         )
-        self.duration = prom.Histogram(
+        self.duration = m.histogram(
             "request_duration_seconds",
             "First byte in to last byte out",
             models,
             buckets=_DURATION_BUCKETS,
-            **kw,
         )
-        self.ttft = prom.Histogram(
-            "request_ttft_seconds",
-            "Observed time to first token",
-            models,
-            buckets=_TTFT_BUCKETS,
-            **kw,
+        self.ttft = m.histogram(
+            "request_ttft_seconds", "Observed time to first token", models, buckets=_TTFT_BUCKETS
         )
-        self.predicted_ttft = prom.Histogram(
+        self.predicted_ttft = m.histogram(
             "request_predicted_ttft_seconds",
             "Predicted time to first token at the chosen instance",
             models,
             buckets=_TTFT_BUCKETS,
-            **kw,
         )
-        self.prediction_duration = prom.Histogram(
+        self.prediction_duration = m.histogram(
             "request_ttft_prediction_duration_seconds",
             "Time the routing decision (all predictions) took",
             models,
             buckets=_DECIDE_BUCKETS,
-            **kw,
         )
-        self.slo_violations = prom.Counter(
-            "request_ttft_slo_violation", "First tokens later than the TTFT target", models, **kw
+        self.slo_violations = m.counter(
+            "request_ttft_slo_violation", "First tokens later than the TTFT target", models
         )
-        self.admission = prom.Counter("admission", "Admission outcomes", ["outcome"], **kw)
-        self.queue_depth = prom.Gauge("queue_depth", "Requests held by queue admission", **kw)
-        self.in_flight = prom.Gauge("in_flight", "Requests being served", **kw)
-        self.key_in_flight = prom.Gauge(
-            "key_in_flight", "Requests in flight per API key name", ["key"], **kw
+        self.admission = m.counter("admission", "Admission outcomes", ["outcome"])
+        self.queue_depth = m.gauge("queue_depth", "Requests held by queue admission")
+        self.in_flight = m.gauge("in_flight", "Requests being served")
+        self.key_in_flight = m.gauge(
+            "key_in_flight", "Requests in flight per API key name", ["key"]
         )
+        m.register()
 
-        # labels() costs a lock and a dict lookup per call: each pair's children are
-        # resolved once (the pairs are few: a model or group, and a served model).
+        # Each pair's series resolved once (the pairs are few: a model or group,
+        # and a served model).
         self._pairs: dict[tuple[str, str], ModelMetrics] = {}
-        self._codes: dict[tuple[str, str, str], Any] = {}
 
     def pair(self, model: str, target: str) -> ModelMetrics:
         """The series of requests asking for ``model`` and served by ``target``."""
@@ -124,10 +118,6 @@ class GatewayMetrics:
             self._pairs[(model, target)] = got
         return got
 
-    def answered(self, model: str, target: str, code: str) -> Any:
+    def answered(self, model: str, target: str, code: str) -> CounterSeries:
         """The request counter of a (model, target, HTTP status) triple."""
-        key = (model, target, code)
-        got = self._codes.get(key)
-        if got is None:
-            got = self._codes[key] = self.requests.labels(model, target, code)
-        return got
+        return self.requests.labels(model, target, code)

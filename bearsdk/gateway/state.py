@@ -218,4 +218,6 @@ class Gateway:
 
 
 def _model_of(d: Decision, instance: str) -> str:
+    if instance == d.instance:  # (the chosen one, built already: not every candidate)
+        return d.chosen.model
     return next((c.model for c in d.candidates if c.instance == instance), "")

@@ -133,6 +133,13 @@ class Candidates(Sequence[Candidate]):
             self._built[i] = got
         return got
 
+    def gauges(self) -> Iterator[tuple[str, str, float, float, float, float]]:
+        """Each candidate's instance, estimator, snapshot age, speed factor,
+        first-token overhead and margin, read from its row: what the metrics
+        record of every candidate, without building the candidates."""
+        for row in self._rows:
+            yield row[0].instance, row[1], row[2], row[5], row[6], row[11]
+
     def __iter__(self) -> Iterator[Candidate]:
         for i in range(len(self._rows)):
             yield self[i]

@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -56,7 +56,7 @@ import orjson
 from bearsdk.errors import BearError
 
 if TYPE_CHECKING:
-    from bearsdk.router.decision import Decision
+    from bearsdk.router.decision import Candidate, Decision
     from bearsdk.router.router import AsyncRouter
 
 __all__ = ["DecisionLog", "PrometheusMetrics"]
@@ -112,86 +112,66 @@ class PrometheusMetrics:
             raise BearError(
                 "PrometheusMetrics needs prometheus_client: pip install 'bearsdk[metrics]'"
             ) from None
+        from bearsdk.router.lite_metrics import LiteMetrics
+
         reg = registry if registry is not None else prom.REGISTRY
-        kw: dict[str, Any] = {"namespace": namespace, "registry": reg}
-        self.decisions = prom.Counter(
-            "decisions", "Routing decisions", ["instance", "selector", "estimator"], **kw
+        m = LiteMetrics(reg, namespace)
+        self.decisions = m.counter(
+            "decisions", "Routing decisions", ["instance", "selector", "estimator"]
         )
-        self.decision_seconds = prom.Histogram(
-            "decision_seconds", "Time one routing decision took", buckets=_DECIDE_BUCKETS, **kw
+        self.decision_seconds = m.histogram(
+            "decision_seconds", "Time one routing decision took", buckets=_DECIDE_BUCKETS
         )
-        self.fallbacks = prom.Counter(
-            "fallbacks", "Decisions made without a fresh snapshot", ["instance"], **kw
+        self.fallbacks = m.counter(
+            "fallbacks", "Decisions made without a fresh snapshot", ["instance"]
         )
-        self.explorations = prom.Counter(
+        self.explorations = m.counter(
             "explorations",
             "Decisions that explored an instance with no recent speed evidence",
             ["instance"],
-            **kw,
         )
-        self.snapshot_age = prom.Gauge(
-            "snapshot_age_seconds",
-            "Age of the snapshot behind the latest decision",
-            ["instance"],
-            **kw,
+        self.snapshot_age = m.gauge(
+            "snapshot_age_seconds", "Age of the snapshot behind the latest decision", ["instance"]
         )
-        self.speed_factor = prom.Gauge(
+        self.speed_factor = m.gauge(
             "speed_factor",
             "Learned batch time over the profile's, as of the latest decision",
             ["instance"],
-            **kw,
         )
-        self.ttft_overhead = prom.Gauge(
+        self.ttft_overhead = m.gauge(
             "ttft_overhead_seconds",
             "First-token overhead added to the replayed TTFT, as of the latest decision",
             ["instance"],
-            **kw,
         )
-        self.ttft_margin = prom.Gauge(
+        self.ttft_margin = m.gauge(
             "ttft_margin",
             "Factor the TTFT estimates were widened by, as of the latest decision",
             ["instance"],
-            **kw,
         )
-        self.ttft = prom.Histogram(
-            "ttft_seconds",
-            "Observed time to first token",
-            ["instance"],
-            buckets=_TTFT_BUCKETS,
-            **kw,
+        self.ttft = m.histogram(
+            "ttft_seconds", "Observed time to first token", ["instance"], buckets=_TTFT_BUCKETS
         )
-        self.ttft_error = prom.Histogram(
+        self.ttft_error = m.histogram(
             "ttft_error_seconds",
             "Observed minus predicted time to first token",
             ["instance"],
             buckets=_ERR_BUCKETS,
-            **kw,
         )
-        self.ttft_rel_error = prom.Histogram(
+        self.ttft_rel_error = m.histogram(
             "ttft_abs_relative_error",
             "|observed - predicted| / observed TTFT",
             ["instance"],
             buckets=_REL_BUCKETS,
-            **kw,
         )
-        self.slo = prom.Counter(
-            "slo", "First tokens against the request's TTFT target", ["instance", "outcome"], **kw
+        self.slo = m.counter(
+            "slo", "First tokens against the request's TTFT target", ["instance", "outcome"]
         )
-        self.requests = prom.Counter("requests", "Finished requests", ["instance", "outcome"], **kw)
-        self.failures = prom.Counter(
-            "dispatch_failures", "Attempts failed before the response started", ["instance"], **kw
+        self.requests = m.counter("requests", "Finished requests", ["instance", "outcome"])
+        self.failures = m.counter(
+            "dispatch_failures", "Attempts failed before the response started", ["instance"]
         )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        m.register()
         self._defer = defer
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        # labels() takes a lock and builds a key on every call, a dozen times a
-        # request; the children are few (metrics x instances x outcomes): keep them.
-        key = (id(metric), labels)
-        got = self._children.get(key)
-        if got is None:
-            got = self._children[key] = metric.labels(*labels)
-        return got
 
     def attach(self, router: AsyncRouter) -> PrometheusMetrics:
         """Record ``router``'s decisions and outcomes from now on; returns ``self``."""
@@ -205,33 +185,51 @@ class PrometheusMetrics:
 
     def _on_decision(self, d: Decision) -> None:
         c = d.chosen
-        self._child(self.decisions, d.instance, d.selector, c.estimator).inc()
+        self.decisions.labels(d.instance, d.selector, c.estimator).inc()
         self.decision_seconds.observe(d.decide_s)
-        for cand in d.candidates:
-            if math.isfinite(cand.snapshot_age_s):
-                self._child(self.snapshot_age, cand.instance).set(cand.snapshot_age_s)
-            self._child(self.speed_factor, cand.instance).set(cand.speed_factor)
-            if cand.estimator != "unpriced":  # (no estimate, so no overhead added)
-                self._child(self.ttft_overhead, cand.instance).set(cand.overhead_s)
-                self._child(self.ttft_margin, cand.instance).set(cand.margin)
+        # (The rows, not the candidates: building every candidate costs more than this.)
+        for inst, est, age, speed, overhead, margin in _gauges(d.candidates):
+            if math.isfinite(age):
+                self.snapshot_age.labels(inst).set(age)
+            self.speed_factor.labels(inst).set(speed)
+            if est != "unpriced":  # (no estimate, so no overhead added)
+                self.ttft_overhead.labels(inst).set(overhead)
+                self.ttft_margin.labels(inst).set(margin)
         if c.estimator == "lps":
-            self._child(self.fallbacks, d.instance).inc()
+            self.fallbacks.labels(d.instance).inc()
         if d.explored:
-            self._child(self.explorations, d.instance).inc()
+            self.explorations.labels(d.instance).inc()
 
     def _on_first_token(self, d: Decision, instance: str, observed: float) -> None:
-        self._child(self.ttft, instance).observe(observed)
-        self._child(self.slo, instance, "met" if observed <= d.ttft_target_s else "missed").inc()
-        pred = next((c.ttft_estimate_s for c in d.candidates if c.instance == instance), math.nan)
+        self.ttft.labels(instance).observe(observed)
+        self.slo.labels(instance, "met" if observed <= d.ttft_target_s else "missed").inc()
+        if instance == d.instance:
+            pred = d.chosen.ttft_estimate_s
+        else:  # a failover's: rare
+            found = (c.ttft_estimate_s for c in d.candidates if c.instance == instance)
+            pred = next(found, math.nan)
         if math.isfinite(pred) and observed > 0:
-            self._child(self.ttft_error, instance).observe(observed - pred)
-            self._child(self.ttft_rel_error, instance).observe(abs(observed - pred) / observed)
+            self.ttft_error.labels(instance).observe(observed - pred)
+            self.ttft_rel_error.labels(instance).observe(abs(observed - pred) / observed)
 
     def _on_complete(self, d: Decision, instance: str, outcome: str) -> None:
-        self._child(self.requests, instance, outcome).inc()
+        self.requests.labels(instance, outcome).inc()
 
     def _on_failure(self, d: Decision, instance: str, why: str) -> None:
-        self._child(self.failures, instance).inc()
+        self.failures.labels(instance).inc()
+
+
+def _gauges(
+    candidates: Sequence[Candidate],
+) -> Iterable[tuple[str, str, float, float, float, float]]:
+    """Each candidate's instance, estimator, snapshot age, speed factor, overhead, margin."""
+    fast = getattr(candidates, "gauges", None)
+    if fast is not None:
+        return fast()  # type: ignore[no-any-return]
+    return [
+        (c.instance, c.estimator, c.snapshot_age_s, c.speed_factor, c.overhead_s, c.margin)
+        for c in candidates
+    ]
 
 
 class DecisionLog:
