@@ -266,6 +266,15 @@ def test_text_mode_prints_the_comparison_when_there_is_no_summary(
         ("8", "prefill-tps"),
     ]
     assert all(r[-1].endswith("%") for r in rows)  # both predict a TTFT: both have an error
+    # --diagnose adds the floor under each MAPE (the exact forecast's error).
+    assert (
+        main(["simulate", "--config", str(path), "--workers", "1", "--no-progress", "--diagnose"])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-1] == "floor"
+    rows = [ln.split() for ln in lines[2:]]
+    assert all(r[-1].endswith("%") and float(r[-1][:-1]) >= 0.0 for r in rows)
 
 
 @pytest.mark.skipif(shared_data_dir() is None, reason="the shared data are not on this machine")

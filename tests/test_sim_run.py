@@ -176,6 +176,27 @@ def test_diagnosis_scores_every_candidate(requests: RequestSet) -> None:
     assert r.diagnosis["qwen3-8b/bea"]["mape"] < 0.5
 
 
+def test_the_floor_is_exact_alone_and_later_arrivals_only_delay(requests: RequestSet) -> None:
+    """The chosen engine's true forecast is the TTFT it gives when nothing arrives
+    after the request; under load later arrivals share its batches and only add."""
+    sc = Scenario(PolicySpec("bear"), 0.05, seed=2)  # one request every 20 s: alone
+    alone = run_scenario(
+        requests, PAPER_POOL, sc, arrival_times("poisson", N, 0.05, 2), diagnose=True
+    )
+    assert alone.ttft_floor["n"] == N
+    assert alone.ttft_floor["mape"] < 1e-9
+    sc = Scenario(PolicySpec("bear"), 40.0, seed=2)
+    busy = run_scenario(
+        requests, PAPER_POOL, sc, arrival_times("poisson", N, 40.0, 2), diagnose=True
+    )
+    floor = busy.ttft_floor
+    assert floor["n"] == N
+    assert floor["mape"] > 0.001
+    assert floor["bias"] < 0.0  # the forecast is short of what later arrivals made it
+    assert busy.as_dict()["ttft_floor"] == floor
+    assert "ttft_floor" not in _run(requests, "bear").as_dict()
+
+
 def test_missing_truth_is_an_error_naming_the_model() -> None:
     bank = task_prompts(3, seed=1)
     pool = (InstanceSpec("x", "FuseChat-Llama-3.2-1B-Instruct", "qwen3-0.6b-h100"),)

@@ -84,6 +84,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="override router.margin (widen TTFT estimates by each instance's first "
         "tokens' spread, or not)",
     )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also score every candidate's TTFT estimate against its engine's true "
+        "forecast, and that forecast against the TTFT it gave: the floor under the "
+        "MAPE that no replay of the present removes (slower: a forecast per "
+        "instance and decision; 'diagnosis' and 'ttft_floor' in the JSON)",
+    )
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument(
         "--data-dir",
@@ -148,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
         writable_file(args.out, "--out")
     progress = None if args.no_progress else (lambda n: Progress(n))
     try:
-        report = run_config(cfg, workers=args.workers, progress=progress)
+        report = run_config(cfg, workers=args.workers, progress=progress, diagnose=args.diagnose)
     except SimInterrupted as stop:
         # Runs that finished are kept, where the whole result would have gone.
         done = len(stop.partial.results)
@@ -198,16 +206,24 @@ def format_runs(rows: Sequence[Mapping[str, Any]]) -> str:
     Returns:
         The table, runs in the report's order.
     """
+    floors = any("ttft_floor" in r for r in rows)
     lines = [
         f"{'sweep':<10} {'rate':>5} {'stale ms':>8} {'policy':<28} {'OnTimeUtil':>10} "
         f"{'SLO':>6} {'mean TTFT ms':>12} {'p90 TTFT ms':>11} {'TTFT MAPE':>9}"
+        + (f" {'floor':>6}" if floors else "")
     ]
     for r in rows:
         mape = (r.get("ttft_mape") or {}).get("all")
-        mape_s = "-" if mape is None or not math.isfinite(mape) else f"{mape * 100:.1f}%"
-        lines.append(
+        line = (
             f"{r['sweep']:<10} {r['rate']:>5g} {r['staleness_ms']:>8g} {r['policy']:<28} "
             f"{r['on_time_utility']:>10.4f} {r['slo_attainment']:>6.1%} "
-            f"{r['mean_ttft_s'] * 1e3:>12.2f} {r['p90_ttft_s'] * 1e3:>11.2f} {mape_s:>9}"
+            f"{r['mean_ttft_s'] * 1e3:>12.2f} {r['p90_ttft_s'] * 1e3:>11.2f} {_pct(mape):>9}"
         )
+        if floors:
+            line += f" {_pct((r.get('ttft_floor') or {}).get('mape')):>6}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v * 100:.1f}%"

@@ -406,7 +406,11 @@ def run_scenario(
         batches=sum(e.batches for e in engines),
     )
     if diag is not None:
-        result = attrs.evolve(result, diagnosis=diag.summary())
+        result = attrs.evolve(
+            result,
+            diagnosis=diag.summary(),
+            ttft_floor=diag.floor(chosen, first, sent, times),
+        )
     if router is not None:
         result = attrs.evolve(result, speed=_learned_speed(router, names, true_scales))
     if changes:
@@ -495,6 +499,8 @@ class _Diagnosis:
 
     names: Sequence[str]
     _rows: list[tuple[int, str, float, float, float, bool]] = attrs.field(factory=list)
+    # Per request: the chosen instance and its true forecast at the decision.
+    _chosen: dict[int, tuple[int, float]] = attrs.field(factory=dict)
 
     def observe(
         self,
@@ -510,6 +516,47 @@ class _Diagnosis:
         for j, (e, c) in enumerate(zip(engines, d.candidates, strict=True)):
             true = e.forecast_ttft(p, int(requests.true_output[i, j]), now)
             self._rows.append((j, c.estimator, c.ttft_estimate_s, true, target, c.ttft_lower_bound))
+            if j == d.index:
+                self._chosen[i] = (j, true)
+
+    def floor(
+        self,
+        chosen: npt.NDArray[np.int64],
+        first: npt.NDArray[np.float64],
+        sent: npt.NDArray[np.float64],
+        times: npt.NDArray[np.float64],
+    ) -> dict[str, float]:
+        """The chosen instance's true forecast against the TTFT it gave: what a
+        replay of the exact state at the decision (true lengths, true batch
+        times) still misses, because requests that arrive later share the
+        batches that complete the prompt (vLLM fills every batch's leftover
+        budget with them). The floor under ``ttft_mape`` for any estimator
+        that, like BEA, replays the present.
+
+        Requests sent when they arrived, to the instance the observed decision
+        chose (a held request was decided again later); ``n``, ``mape`` and
+        ``bias`` (mean log of forecast over actual).
+        """
+        fc, got = [], []
+        for i, (j, true) in self._chosen.items():
+            service = float(first[i] - sent[i])
+            if (
+                chosen[i] == j
+                and sent[i] == times[i]
+                and math.isfinite(true)
+                and math.isfinite(service)
+                and service > 0
+            ):
+                fc.append(true)
+                got.append(service)
+        if not fc:
+            return {"n": 0.0, "mape": math.nan, "bias": math.nan}
+        f, g = np.array(fc), np.array(got)
+        return {
+            "n": float(len(f)),
+            "mape": float(np.mean(np.abs(f - g) / g)),
+            "bias": float(np.mean(np.log(np.maximum(f, 1e-6) / g))),
+        }
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per instance (and per instance and estimator): ``n``, ``mape``, ``bias``

@@ -293,6 +293,11 @@ class RunResult:
             target)`` for up to 4000 requests (plots; not in JSON).
         diagnosis: With ``diagnose``: every candidate's prediction against its
             true forecast, per instance and estimator (see :class:`_Diagnosis`).
+        ttft_floor: With ``diagnose``: the chosen instance's true forecast at
+            the decision (exact state, lengths and batch times) against the
+            TTFT it gave: ``n``, ``mape``, ``bias``. What no replay of the
+            present can predict (requests arriving later share the batch that
+            completes the prompt): the floor under ``ttft_mape``.
         speed: The router's learned speed factor per instance at the end, with
             its standard error, the steps it rests on, the first-token overhead,
             and the engine's true ``time_scale`` (routed policies).
@@ -345,6 +350,7 @@ class RunResult:
     reject_decide_us_p99: float | None = None
     tpot: dict[str, float | None] = attrs.field(factory=dict)
     ttft_mape_n: dict[str, int] = attrs.field(factory=dict)
+    ttft_floor: dict[str, float] = attrs.field(factory=dict)
 
     def as_dict(self, *, admission: bool | None = None) -> dict[str, Any]:
         """The JSON form (without samples).
@@ -402,6 +408,7 @@ class RunResult:
             **extra,
             **({"tpot": self.tpot} if self.tpot else {}),
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
+            **({"ttft_floor": self.ttft_floor} if self.ttft_floor else {}),
             **({"speed": self.speed} if self.speed else {}),
             **({"timeline": list(self.timeline)} if self.timeline else {}),
         }

@@ -285,7 +285,14 @@ def _run_one(task: tuple[int, Scenario]) -> tuple[int, RunResult]:
     pool: Sequence[InstanceSpec] = _SHARED["pool"]
     n = len(inputs.requests)
     times = arrival_times(sc.arrivals, n, sc.rate, sc.seed, inputs.trace_times)
-    return idx, run_scenario(inputs.requests, pool, sc, times, decode_runs=_SHARED["decode_runs"])
+    return idx, run_scenario(
+        inputs.requests,
+        pool,
+        sc,
+        times,
+        decode_runs=_SHARED["decode_runs"],
+        diagnose=_SHARED.get("diagnose", False),
+    )
 
 
 def _canonical(sc: Scenario) -> Scenario:
@@ -355,6 +362,7 @@ def run_config(
     progress: Callable[[int], Progress] | None = None,
     decode_runs: bool = True,
     predictor: Predictor | None = None,
+    diagnose: bool = False,
 ) -> SimReport:
     """Run every scenario of a configuration.
 
@@ -364,6 +372,9 @@ def run_config(
         progress: Builds a progress bar for a number of runs (``None``: no bar).
         decode_runs: Let engines advance decode stretches in closed form.
         predictor: The router's predictor (default: as the configuration names it).
+        diagnose: Score every candidate's TTFT estimate against its engine's
+            true forecast, and the chosen one's forecast against the TTFT it
+            gave (:attr:`RunResult.diagnosis`, :attr:`RunResult.ttft_floor`).
 
     Returns:
         The results, in scenario order.
@@ -397,6 +408,7 @@ def run_config(
         "inputs": inputs,
         "pool": pool,
         "decode_runs": decode_runs,
+        "diagnose": diagnose,
         "schedulers": schedulers,
     }
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
