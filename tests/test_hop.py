@@ -163,6 +163,66 @@ async def test_a_kept_connection_the_engine_closed_is_retried_once_on_a_new_one(
     assert len(peers) == 2
 
 
+async def test_on_dispatch_comes_once_after_the_write_on_a_kept_connection() -> None:
+    got: list[bytes] = []
+    second = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            _, body = await read_request(r)
+            got.append(body)
+            if len(got) == 2:
+                second.set()
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await w.drain()
+
+    class Booked(Exception):
+        pass
+
+    def refuse() -> None:
+        raise Booked
+
+    s = HopSession()
+    async with server(handler) as (url, peers):
+        # A new connection: called before connecting, so nothing reaches the server.
+        with pytest.raises(Booked):
+            await s.post(url, data=b"new", headers={}, on_dispatch=refuse)
+        assert peers == []
+        calls: list[int] = []
+        resp = await s.post(url, data=b"one", headers={}, on_dispatch=lambda: calls.append(1))
+        assert await body_of(resp) == b"ok"
+        assert calls == [1]
+        # A kept one: the request is already written when it is called.
+        with pytest.raises(Booked):
+            await s.post(url, data=b"two", headers={}, on_dispatch=refuse)
+        await asyncio.wait_for(second.wait(), 5)
+        await s.close()
+    assert got == [b"one", b"two"]
+    assert len(peers) == 1
+
+
+async def test_on_dispatch_comes_once_when_a_closed_kept_connection_is_retried() -> None:
+    n = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal n
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        n += 1
+        if n == 1:
+            await read_request(r)  # read and dropped unanswered
+
+    s = HopSession()
+    calls: list[int] = []
+    async with server(handler) as (url, peers):
+        assert await body_of(await s.post(url, data=b"{}", headers={})) == b"ok"
+        resp = await s.post(url, data=b"{}", headers={}, on_dispatch=lambda: calls.append(1))
+        assert await body_of(resp) == b"ok"
+    assert len(peers) == 2
+    assert calls == [1]
+
+
 async def test_the_total_budget_ends_a_stalled_body_with_a_timeout() -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)

@@ -63,7 +63,9 @@ class Gateway:
     _members: dict[str, frozenset[str]] = attrs.field(factory=dict, init=False)
     _pool_seen: list[str] = attrs.field(factory=list, init=False)
     _in_flight: int = attrs.field(default=0, init=False)
-    _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    # Made only when a drain waits: a new event per busy spell costs more than
+    # the rest of enter() (anyio looks its backend up).
+    _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _streams: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -71,7 +73,6 @@ class Gateway:
         self.admission = Admission(
             self.config.admission, on_outcome=self._on_admission, evidence=self._evidence
         )
-        self._idle.set()
         self.router.hooks.on_first_token.append(self._on_first_token)
         self.router.hooks.on_complete.append(self._on_complete)
 
@@ -180,15 +181,13 @@ class Gateway:
     def enter(self) -> None:
         """A request started."""
         self._in_flight += 1
-        if self._idle.is_set():
-            self._idle = anyio.Event()
         if self.metrics is not None:
             self.metrics.in_flight.set(self._in_flight)
 
     def leave(self) -> None:
         """A request ended."""
         self._in_flight -= 1
-        if self._in_flight == 0:
+        if self._in_flight == 0 and self._idle is not None:
             self._idle.set()
         if self.metrics is not None:
             self.metrics.in_flight.set(self._in_flight)
@@ -208,13 +207,20 @@ class Gateway:
         """
         self.draining = True
         with anyio.move_on_after(grace_s):
-            await self._idle.wait()
+            await self._until_idle()
         cut = len(self._streams)
         for scope in list(self._streams):
             scope.cancel()
         with anyio.move_on_after(5.0):
-            await self._idle.wait()
+            await self._until_idle()
         return cut
+
+    async def _until_idle(self) -> None:
+        if self._in_flight == 0:
+            return
+        if self._idle is None or self._idle.is_set():
+            self._idle = anyio.Event()
+        await self._idle.wait()
 
 
 def _model_of(d: Decision, instance: str) -> str:

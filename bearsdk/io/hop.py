@@ -33,7 +33,7 @@ import ssl
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, cast
 from urllib.parse import urlsplit
 
@@ -402,8 +402,13 @@ class HopSession:
         headers: Mapping[str, str],
         total_s: float | None = None,
         head_s: float | None = None,
+        on_dispatch: Callable[[], None] | None = None,
     ) -> HopResponse:
         """Send ``data`` to ``url``; return once the response's head came.
+
+        ``on_dispatch`` is called once, where the call would first wait: right
+        after the request is written to a kept connection (so bookkeeping there
+        does not delay it), or before connecting a new one.
 
         Raises:
             aiohttp.ClientError: The connection broke or the response is malformed.
@@ -412,7 +417,7 @@ class HopSession:
                 included: later reads raise it too) ran out first, or the head
                 took longer than ``head_s`` from the request's start.
         """
-        return await self._request(b"POST", url, data, headers, total_s, head_s)
+        return await self._request(b"POST", url, data, headers, total_s, head_s, on_dispatch)
 
     async def get(
         self, url: str, *, headers: Mapping[str, str] | None = None, total_s: float | None = None
@@ -432,6 +437,7 @@ class HopSession:
         headers: Mapping[str, str],
         total_s: float | None,
         head_s: float | None,
+        on_dispatch: Callable[[], None] | None = None,
     ) -> HopResponse:
         if self.closed:
             raise aiohttp.ClientConnectionError("the session is closed")
@@ -458,9 +464,21 @@ class HopSession:
         reused = conn is not None
         while True:
             if conn is None:
+                if on_dispatch is not None:
+                    told: Callable[[], None] = on_dispatch
+                    on_dispatch = None
+                    told()
                 conn = await self._connect(key, connect_by)
             resp = HopResponse(conn, deadline)
             conn.start(resp, request)
+            if on_dispatch is not None:
+                told = on_dispatch
+                on_dispatch = None
+                try:
+                    told()
+                except BaseException:
+                    resp.close()
+                    raise
             try:
                 await resp._wait_head(head_by)
             except aiohttp.ServerDisconnectedError:

@@ -177,15 +177,32 @@ class Dispatcher:
         body["model"] = cfg.engine_model
         now = self.core.clock()
         inst.breaker.on_send(now)
-        self.core.sent(inst, d, now)
+        booked = False
+
+        def book() -> None:
+            nonlocal booked
+            self.core.sent(inst, d, now)
+            booked = True
+
+        if self.hop is None:
+            book()
         try:
             try:
                 data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
                 headers = {"Content-Type": "application/json", "X-Request-Id": d.request_id}
                 resp: EngineResponse
                 if self.hop is not None:
+                    # Booked once the request is on its way on a kept connection,
+                    # not before: the engine starts on it while the router writes
+                    # it into its books (no decision comes between: nothing
+                    # awaits). Before connecting a new one, as before any wait.
                     resp = await self.hop.post(
-                        cfg.url + path, data=data, headers=headers, total_s=total, head_s=head
+                        cfg.url + path,
+                        data=data,
+                        headers=headers,
+                        total_s=total,
+                        head_s=head,
+                        on_dispatch=book,
                     )
                 else:
                     with anyio.fail_after(head):
@@ -227,14 +244,16 @@ class Dispatcher:
                 inst.breaker.on_success()
                 raise EngineRequestError(resp.status, text, d)
         except _Retryable:
-            self.core.unsent(inst, d)
+            if booked:
+                self.core.unsent(inst, d)
             raise
         except EngineRequestError:
             raise
         except BaseException:
             # Cancelled (or a bug) while sending: the request is off the books,
             # and a probe slot it held is free for the next request.
-            self.core.unsent(inst, d)
+            if booked:
+                self.core.unsent(inst, d)
             inst.breaker.on_abandon()
             raise
         return resp, now
