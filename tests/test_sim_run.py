@@ -197,6 +197,13 @@ def test_the_floor_is_exact_alone_and_later_arrivals_only_delay(requests: Reques
     assert "ttft_floor" not in _run(requests, "bear").as_dict()
 
 
+def test_a_floor_with_nothing_to_measure_holds_no_nan() -> None:
+    from bearsdk.sim.run import _Diagnosis
+
+    none = np.zeros(0)
+    assert _Diagnosis(["a"]).floor(np.zeros(0, dtype=np.int64), none, none, none) == {"n": 0.0}
+
+
 def test_missing_truth_is_an_error_naming_the_model() -> None:
     bank = task_prompts(3, seed=1)
     pool = (InstanceSpec("x", "FuseChat-Llama-3.2-1B-Instruct", "qwen3-0.6b-h100"),)
