@@ -6,8 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import bearsdk
+import bearsdk.estimators.bea as bea_module
 from bearsdk.estimators import (
     BatchTimeModel,
     BEAEstimator,
@@ -231,3 +234,29 @@ def test_dense_floor_in_closed_form_decode_runs(impl: str) -> None:
     assert r.batches is not None
     assert r.first_token_batch > 50
     assert r.ttft_s == pytest.approx(sum(bt.time_of(b) for b in r.batches), rel=1e-9)
+
+
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1]),
+            st.integers(1, 300_000),
+            st.integers(0, 300_050),
+        ),
+        min_size=1,
+        max_size=32,
+    ),
+    counted=st.sampled_from([1, 2]),
+)
+def test_the_prefill_ahead_of_a_few_rows_is_numpys_sum(
+    rows: list[tuple[int, int, int]], counted: int
+) -> None:
+    # A few rows are counted in exact integers, row by row; more with numpy.
+    table = np.array(
+        [(s, p, c if s == 0 else 0, 0, -1, 5, 0) for s, p, c in rows], dtype=np.int64
+    ).reshape(len(rows), 7)
+    snap = Snapshot(instance="x", seq=1, time=0.0, kv=None, ids=tuple(map(str, rows)), table=table)
+    small = bea_module._prefill_of(snap, counted)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bea_module, "_SMALL_TABLE", 0)
+        assert bea_module._prefill_of(snap, counted) == small

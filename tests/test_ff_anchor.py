@@ -300,3 +300,35 @@ def test_the_instance_places_its_view_on_the_step_ends_it_is_told() -> None:
     for at in (math.nan, math.inf):
         bad.on_step_end(at)
     assert bad.ttft(200, 10).ttft_s == _state([now], anchor=False).ttft(200, 10).ttft_s
+
+
+def test_a_dispatch_to_an_idle_engine_is_served_after_its_clock_moved_back() -> None:
+    # An idle virtual engine whose clock a step end moved back (the engine runs
+    # behind the model): a dispatch added then was left waiting for an arrival
+    # that had already come, and anchoring on its first token ran the clock to
+    # infinity and the next advance forever (found by tests/test_ff_patch.py).
+    doc = {
+        "schema": "bear.snapshot/1",
+        "instance": "x",
+        "seq": 1,
+        "time": T0,
+        "requests": [],
+        "inflight": {"remaining_s": 0.003},
+        "kv": {"block_size": 16, "num_blocks": 3000, "free_blocks": 3000},
+    }
+    est = BEAEstimator.for_scheduler("vllm-v1", BT, {"max_num_batched_tokens": 2048})
+    ff = FastForward(snapshot_from_dict(doc), est, captured=T0)
+    now = T0 + 0.0376
+    ff.advance(now, [])  # idle
+    assert ff.step_end(now - T0 + 0.0004, now)
+    assert ff.lag > 0.03  # the engine is behind: "now" is earlier on the virtual clock
+    sent = [Dispatch("bear-1", now, 669, 2, None)]
+    ff.advance(now, sent)
+    later = now + 0.05
+    ff.advance(later, sent)
+    view = ff.at(later)
+    assert view.ids == ("bear-1",)
+    assert view.table[0].tolist()[:3] == [0, 669, 669]  # running, prefilled: not stranded
+    assert ff.first_token("bear-1", later - T0, later)
+    assert math.isfinite(ff.lag)
+    ff.advance(later + 0.01, sent)  # (it never returned)

@@ -77,6 +77,27 @@ def test_known_length_used_while_ahead_of_the_output() -> None:
         resolve_output_lengths(snap.table, lengths, snap.ids[:1])
 
 
+def test_a_frozen_table_knowing_every_length_is_returned_as_it_is() -> None:
+    # A fast-forwarded view's table (rebuilt after every dispatch) knows them all:
+    # read-only, it needs no copy; a writable one is still copied.
+    known = RequestState("a", "running", 100, 109, 10, output_len=50)
+    snap = Snapshot.build([known, RequestState("b", "waiting", 80, 0, 0, output_len=7)])
+    lengths = MeanLengthPredictor(mean=256)
+    assert resolve_output_lengths(snap.table, lengths) is snap.table
+    writable = np.array(snap.table)
+    got = resolve_output_lengths(writable, lengths)
+    assert got is not writable
+    assert got.tolist() == writable.tolist()
+    empty = Snapshot.build([]).table
+    assert resolve_output_lengths(empty, lengths) is empty
+    # One unknown: a new array, the frozen one untouched.
+    one = Snapshot.build([known, RequestState("c", "waiting", 80, 0, 0)])
+    got = resolve_output_lengths(one.table, lengths)
+    assert got is not one.table
+    assert got[:, COL_OUTPUT_LEN].tolist() == [50, 256]
+    assert one.table[1, COL_OUTPUT_LEN] == -1
+
+
 @given(
     rows=st.lists(
         st.tuples(

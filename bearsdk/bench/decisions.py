@@ -17,6 +17,13 @@ inf`` (every estimate replayed to the first token), so that the effect of the
 cut-off is a ratio measured in one run. Targets: median <= 100 µs and p99 <=
 300 µs at 8 instances whatever the depth; median <= 1 ms at 256 instances.
 
+``--dispatch`` times, at 8 instances and each depth, decisions that are each
+sent (``record_dispatch``), 64 requests in flight across the pool (the oldest
+completes as each is sent), against the same decisions never sent, alternating
+decision by decision on two routers: a loaded router's steady state, where the
+instance chosen last has its fast-forwarded view rebuilt at the next decision
+(its overlay changed), with the ratio measured in one run.
+
 ``--tpot`` times, at 8 instances and each depth, the same decisions with a
 TPOT target too (50 ms: BEA follows 32 tokens past the first at every
 instance, each of which holds a request sent with a TPOT target, so that
@@ -33,7 +40,7 @@ import math
 import random
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -43,6 +50,7 @@ from bearsdk.bench.router import PROMPT, _configs
 from bearsdk.cli import positive_int
 from bearsdk.predictors import Predictor
 from bearsdk.router.core import RouterCore
+from bearsdk.router.decision import Decision
 from bearsdk.selectors import BEAR
 from bearsdk.snapshot import NCOLS, KVState, Snapshot
 
@@ -188,6 +196,74 @@ def tpot_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any
     }
 
 
+IN_FLIGHT = 64
+
+
+def dispatch_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any]:
+    """Decisions at 8 instances each sent (64 in flight) against the same never
+    sent, alternating on two routers with the same snapshots and clock."""
+    t0 = 1_000.0
+    clock = [t0]
+    pred = Predictor.load_default()
+    routers = []
+    for _ in range(2):
+        rng = random.Random(seed)
+        r = RouterCore(_configs(8), BEAR(), predictor=pred, clock=lambda: clock[0], explore=None)
+        for name in r.instances:
+            d = rng.randint(0, 1000) if depth is None else depth
+            at = t0 - rng.uniform(0.0, 0.05)
+            r.cache(name).offer(_snapshot(name, rng, at, d), received=at)
+        routers.append(r)
+    still, sent = routers
+    msgs = [{"role": "user", "content": PROMPT}]
+    flying: deque[Decision] = deque()
+    base: list[float] = []
+    after: list[float] = []
+    warm = max(20, decisions // 10)
+    clock_ns = time.perf_counter_ns
+    for i in range(warm + decisions):
+        clock[0] = t0 + STALE_S + i * STEP_S
+        a = clock_ns()
+        still.decide(msgs, ttft_target=TARGET_S)
+        b = clock_ns()
+        dec = sent.decide(msgs, ttft_target=TARGET_S)
+        c = clock_ns()
+        sent.record_dispatch(dec)
+        flying.append(dec)
+        if len(flying) > IN_FLIGHT:
+            old = flying.popleft()
+            sent.record_complete(old, old.instance)
+        if i >= warm:
+            base.append((b - a) / 1e3)
+            after.append((c - b) / 1e3)
+    return {
+        "instances": 8,
+        "waiting": "mixed" if depth is None else depth,
+        "not_sent": Timing(base).as_dict(),
+        "sent": Timing(after).as_dict(),
+        "ratio_median": round(statistics.median(after) / statistics.median(base), 2),
+        "decisions": decisions,
+    }
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    rows = []
+    for depth in (*DEPTHS, None):
+        r = dispatch_cost(depth, args.decisions)
+        rows.append(r)
+        if not args.json:
+            b, t = r["not_sent"], r["sent"]
+            print(
+                f"   8 instances {r['waiting']!s:>6} waiting: never sent p50 "
+                f"{b['median_us']:8.1f} p99 {b['p99_us']:8.1f} us; each sent p50 "
+                f"{t['median_us']:8.1f} p99 {t['p99_us']:8.1f} us: x{r['ratio_median']}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps({"dispatch": rows}, indent=2))
+    return 0
+
+
 def _tpot(args: argparse.Namespace) -> int:
     rows = []
     for depth in (*DEPTHS, None):
@@ -209,6 +285,8 @@ def _tpot(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     if args.tpot:
         return _tpot(args)
+    if args.dispatch:
+        return _dispatch(args)
     rows = []
     for n in POOLS:
         for depth in (*DEPTHS, None):
@@ -239,5 +317,10 @@ def register(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--json", action="store_true", help="JSON report")
     p.add_argument(
         "--tpot", action="store_true", help="only: decisions with a TPOT target vs TTFT only"
+    )
+    p.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="only: decisions each sent (64 in flight) vs never sent",
     )
     p.set_defaults(func=_main)

@@ -123,10 +123,6 @@ class PreparedSnapshot:
         snapshot: The source snapshot.
         replayer: The compiled policy (KV geometry from the snapshot when it has one).
         state: Implementation-specific replay state.
-        ahead: The prefill work every new request waits behind, as eq. 12
-            counts it: ``(tokens, prefill attention)`` (see
-            :meth:`BEAEstimator.bound`; ``(0, 0)`` where the policy lets a new
-            request overtake).
         horizon_stops: Horizon stops of earlier replays of this state that
             hold for any new request (:meth:`BEAEstimator.ttft`).
     """
@@ -134,10 +130,12 @@ class PreparedSnapshot:
     snapshot: Snapshot
     replayer: Replayer
     state: Any
-    ahead: tuple[float, float] = (0.0, 0.0)
     in_order: bool = False
     """Whether no new request's first token can come before a one-token
     request's arriving no later (:meth:`BEAEstimator.admission_bound`)."""
+    ahead_rows: int = 0
+    """Which rows :attr:`ahead` counts: none (0: a new request may overtake),
+    the waiting ones (1) or all (2); a property of the policy."""
     # Horizon stops reached before admission ever looked at the new request:
     # (replay horizon, time reached, coefficients, arrival), see BEAEstimator.ttft.
     horizon_stops: list[tuple[float, float, tuple[float, ...], float]] = attrs.field(
@@ -156,6 +154,17 @@ class PreparedSnapshot:
     # The snapshot's cached block keys, as a set (built on the first prefix lookup;
     # a list holding it, the class being frozen).
     _cached_keys: list[frozenset[int]] = attrs.field(factory=list, init=False, repr=False)
+    # ahead, counted when first read (an estimate with no horizon never reads it).
+    _ahead: list[tuple[float, float]] = attrs.field(factory=list, init=False, repr=False)
+
+    @property
+    def ahead(self) -> tuple[float, float]:
+        """The prefill work every new request waits behind, as eq. 12 counts it:
+        ``(tokens, prefill attention)`` (see :meth:`BEAEstimator.bound`;
+        ``(0, 0)`` where the policy lets a new request overtake)."""
+        if not self._ahead:
+            self._ahead.append(_prefill_of(self.snapshot, self.ahead_rows))
+        return self._ahead[0]
 
     def cached_blocks(self, keys: Sequence[int]) -> int:
         """How many of a prompt's chain of keys the snapshot's cache holds, from the start.
@@ -234,16 +243,43 @@ def prefill_ahead(pol: Policy, snapshot: Snapshot) -> tuple[float, float]:
     before admissions; ``(0, 0)`` where ``pol`` lets a new request overtake or
     the snapshot caches prefixes.
     """
-    if snapshot.prefix_cache is not None or not _overtaking_impossible(pol) or not len(snapshot):
+    return _prefill_of(snapshot, _ahead_rows(pol))
+
+
+def _ahead_rows(pol: Policy) -> int:
+    """Which rows :func:`prefill_ahead` counts under ``pol``: none (0, a new
+    request may overtake), the waiting ones (1), or all (2)."""
+    if not _overtaking_impossible(pol):
+        return 0
+    st = pol.stages
+    first = st.index("waiting")
+    # All where running prompts are served before admissions: running and
+    # waiting are the only states (a decoding request, its prompt computed,
+    # adds nothing).
+    return 2 if any(x in ("running", "prefills") for x in st[:first]) else 1
+
+
+_SMALL_TABLE = 32
+
+
+def _prefill_of(snapshot: Snapshot, rows: int) -> tuple[float, float]:
+    if not rows or snapshot.prefix_cache is not None or not len(snapshot):
         # Cached blocks shorten prefills by what the snapshot cannot say yet.
         return (0.0, 0.0)
     t = snapshot.table
-    st = pol.stages
-    first = st.index("waiting")
-    if not any(x in ("running", "prefills") for x in st[:first]):
+    if len(t) <= _SMALL_TABLE:
+        # In exact integers, row by row: a few rows cost less so than numpy's
+        # calls (a fast-forwarded view's, rebuilt after each dispatch, often
+        # holds a few); the same sums wherever numpy's floats are exact.
+        tokens = attention = 0
+        for row in t.tolist():
+            if rows == 2 or row[COL_STATE] == STATE_WAITING:
+                pp, cc = row[COL_PROMPT], min(row[COL_COMPUTED], row[COL_PROMPT])
+                tokens += pp - cc
+                attention += pp * (pp + 1) - cc * (cc + 1)
+        return (float(tokens), attention * 0.5)
+    if rows == 1:
         t = t[t[:, COL_STATE] == STATE_WAITING]
-    # Else every row counts: running and waiting are the only states (a
-    # decoding request, its prompt computed, adds nothing).
     p = t[:, COL_PROMPT].astype(np.float64)
     c = np.minimum(t[:, COL_COMPUTED], t[:, COL_PROMPT]).astype(np.float64)
     # A chunked prompt's attention terms telescope: the chunks of one request
@@ -271,8 +307,9 @@ class BEAEstimator:
     # The compiled replayer of the last KV geometry seen: (policy, implementation,
     # geometry, replayer); re-binding and looking it up per snapshot costs as
     # much as preparing the requests.
-    _compiled: tuple[Policy, str | None, tuple[int, int] | None, Replayer] | None = attrs.field(
-        init=False, default=None
+    # (policy, implementation, geometry, replayer, first_tokens_in_order, _ahead_rows).
+    _compiled: tuple[Policy, str | None, tuple[int, int] | None, Replayer, bool, int] | None = (
+        attrs.field(init=False, default=None)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -317,24 +354,22 @@ class BEAEstimator:
             or memo[2] != geometry
         ):
             pol = self.policy if kv is None else self.policy.with_kv(kv.block_size, kv.num_blocks)
+            replayer = compile_scheduler(pol, self.implementation)
             memo = (
                 self.policy,
                 self.implementation,
                 geometry,
-                compile_scheduler(pol, self.implementation),
+                replayer,
+                first_tokens_in_order(replayer.policy),
+                _ahead_rows(replayer.policy),
             )
             self._compiled = memo
         replayer = memo[3]
         table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
         free = -1 if kv is None else kv.free_blocks
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
-        pol = replayer.policy
         return PreparedSnapshot(
-            snapshot,
-            replayer,
-            state,
-            prefill_ahead(pol, snapshot),
-            snapshot.prefix_cache is None and first_tokens_in_order(pol),
+            snapshot, replayer, state, snapshot.prefix_cache is None and memo[4], memo[5]
         )
 
     def residents(self, prepared: PreparedSnapshot, batches: int) -> tuple[int, float]:

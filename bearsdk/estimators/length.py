@@ -87,7 +87,10 @@ def resolve_output_lengths(
     predictor: LengthPredictor,
     ids: Sequence[str] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Return a copy of a snapshot table with every unknown ``output_len`` predicted.
+    """Return a snapshot table with every unknown ``output_len`` predicted.
+
+    A new array, or ``table`` itself where it is read-only (as every
+    :class:`~bearsdk.snapshot.Snapshot`'s is) and knows every length already.
 
     Where ``ids`` are given and ``predictor`` is also :class:`KnownLengths`, a
     request's known length is used while it is still ahead of the request's
@@ -102,6 +105,10 @@ def resolve_output_lengths(
     """
     from bearsdk.snapshot import COL_MAX_TOKENS, COL_OUTPUT, COL_OUTPUT_LEN, COL_PROMPT
 
+    # (A fast-forwarded view's, rebuilt after every dispatch, knows them all.)
+    frozen = table.dtype == np.int64 and not table.flags.writeable and table.ndim == 2
+    if frozen and (not len(table) or table[:, COL_OUTPUT_LEN].min() >= 1):
+        return table
     out = np.array(table, dtype=np.int64, copy=True)
     missing = out[:, COL_OUTPUT_LEN] < 1
     if not missing.any():

@@ -334,20 +334,31 @@ class SchedulerCore:
         exports on every step, without building a document first (no
         ``kv.prefix_cache`` fields: use :meth:`snapshot` for a caching engine).
         """
-        mml = self.geo.max_model_len
         ids: list[str] = []
         out: list[int] = []
-        for state, reqs in ((0, self.running), (1, self.waiting)):
-            for r in reqs:
-                lim = r.limit
-                if lim >= (1 << 61) or (mml and lim == mml - r.prompt):
-                    lim = -1
-                ids.append(r.rid)
-                if state == 0:
-                    out += (0, r.prompt, r.computed, r.outputs, lim, r.target, r.ph)
-                else:
-                    out += (1, r.prompt, 0, r.outputs, lim, r.target, 0)
+        self._rows(self.running, 0, ids, out)
+        self._rows(self.waiting, 1, ids, out)
         return tuple(ids), out
+
+    def rows_of(self, reqs: Sequence[Req]) -> tuple[tuple[str, ...], list[int]]:
+        """:meth:`rows` of ``reqs`` alone, all of them waiting (a fast-forwarded
+        view patched with the requests that arrived since its last export)."""
+        ids: list[str] = []
+        out: list[int] = []
+        self._rows(reqs, 1, ids, out)
+        return tuple(ids), out
+
+    def _rows(self, reqs: Sequence[Req], state: int, ids: list[str], out: list[int]) -> None:
+        mml = self.geo.max_model_len
+        for r in reqs:
+            lim = r.limit
+            if lim >= (1 << 61) or (mml and lim == mml - r.prompt):
+                lim = -1
+            ids.append(r.rid)
+            if state == 0:
+                out += (0, r.prompt, r.computed, r.outputs, lim, r.target, r.ph)
+            else:
+                out += (1, r.prompt, 0, r.outputs, lim, r.target, 0)
 
     def _export_blocks(self, doc: dict[str, Any]) -> None:
         """Add the ``kv.prefix_cache`` extension (:mod:`bearsdk.prefix_cache`)."""

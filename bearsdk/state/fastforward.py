@@ -37,6 +37,7 @@ request waits out first).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from typing import Any
@@ -48,7 +49,7 @@ import numpy.typing as npt
 from bearsdk.estimators.bea import BEAEstimator
 from bearsdk.estimators.length import resolve_output_lengths
 from bearsdk.replay import SchedulerCore
-from bearsdk.replay.requests import PolicyGeometry
+from bearsdk.replay.requests import RUNNING, PolicyGeometry, Req
 from bearsdk.snapshot import (
     COL_OUTPUT,
     COL_OUTPUT_LEN,
@@ -56,6 +57,7 @@ from bearsdk.snapshot import (
     NCOLS,
     STATE_RUNNING,
     STATE_WAITING,
+    KVState,
     Snapshot,
     snapshot_from_dict,
 )
@@ -75,6 +77,18 @@ STEP_ENDS_KEPT = 64
 STEP_TOLERANCE_S = 5e-4
 """A kept view whose nearest step end is this close to the engine's latest is
 kept (a token's network jitter is smaller; a view rebuilt costs a prepare)."""
+
+
+def _to_go(r: Req) -> int:
+    """Tokens ``r`` has left to its length, as a view's row counts them."""
+    return r.target - r.outputs - (r.ph if r.status == RUNNING else 0)
+
+
+def _position(ids: tuple[str, ...], rid: str) -> int:
+    try:
+        return ids.index(rid)
+    except ValueError:
+        return -1
 
 
 def _table(doc: dict[str, Any]) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
@@ -137,6 +151,26 @@ class FastForward:
     # Its latest step ends (offsets from capture, ascending): where a step end
     # the router saw is placed (step_end).
     _ends: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=STEP_ENDS_KEPT))
+    _kv: KVState | None = attrs.field(init=False, default=None)  # the views' kv (_kv_at)
+    # The rows of the last view exported (without a block pool), and what changed
+    # since: while no batch ran (not _dirty), only requests that arrived at the
+    # end of the waiting queue or were removed, so the next view is that one
+    # patched, and a dispatch or a completion costs O(changes), not O(requests).
+    _export: tuple[tuple[str, ...], npt.NDArray[np.int64]] | None = attrs.field(
+        init=False, default=None
+    )
+    _dirty: bool = attrs.field(init=False, default=True)
+    _arrived: list[Req] = attrs.field(init=False, factory=list)
+    _removed: list[str] = attrs.field(init=False, factory=list)
+    patch_views: bool = attrs.field(default=True, kw_only=True)
+    """Patch views between batches (:meth:`at`); off, every view is rebuilt
+    whole (the reference the patched ones are tested against)."""
+    # exact_for of the last view at() returned: (that view, its least tokens to go).
+    _least: tuple[Snapshot, float] | None = attrs.field(init=False, default=None)
+    # The fewest tokens to go of the router's requests in the engine (kept on
+    # past their prediction aside), kept up to date between batches (None:
+    # count them again).
+    _held_least: float | None = attrs.field(init=False, default=None)
     overran: bool = attrs.field(init=False, default=False)
     """Whether the last anchor found the view further on than the engine."""
 
@@ -185,7 +219,14 @@ class FastForward:
         self._watch.discard(sid)
         self._pinned.discard(sid)
         self._extended.discard(sid)
-        core.abort_request(sid)
+        r = core.requests.get(sid)
+        if r is not None and self._held_least is not None and _to_go(r) <= self._held_least:
+            self._held_least = None  # (it may have been the fewest)
+        if core.abort_request(sid):
+            if r is not None and r in self._arrived:
+                self._arrived.remove(r)
+            else:
+                self._removed.append(sid)
 
     def _arrive(self, upto: float) -> None:
         while self._queue and self._queue[0].time - self.captured - self.lag <= upto:
@@ -199,9 +240,16 @@ class FastForward:
             if d.max_tokens is not None:
                 out = min(out, d.max_tokens)
             self._core.add_request(d.rid, d.prompt_tokens, max(1, out), d.max_tokens)
+            # An idle engine serves it from its next step on: added here after
+            # the clock moved back (a later lag), it would wait for an arrival
+            # that has already come, forever.
+            self._idle = False
+            self._arrived.append(self._core.requests[d.rid])
             self._watch.add(d.rid)
             if self._known is not None and self._known([d.rid], np.zeros(1, np.int64))[0] > 0:
                 self._pinned.add(d.rid)
+                if self._held_least is not None:
+                    self._held_least = min(self._held_least, _to_go(self._arrived[-1]))
 
     def advance(self, now: float, arrivals: list[Dispatch]) -> None:
         """Simulate up to ``now``, adding ``arrivals`` (in dispatch order) as they come.
@@ -225,14 +273,17 @@ class FastForward:
         core = self._core
         while (self._t <= to) if until_first is None else (until_first not in self._firsts):
             if self._idle:
-                # An idle engine wakes up at the next arrival.
+                # An idle engine wakes up at the next arrival; with none to come
+                # it stays idle, whatever it was asked to run on to.
                 nxt = self._queue[0].time - self.captured - self.lag if self._queue else math.inf
-                if nxt > to:
-                    if until_first is None:
+                if nxt > to or nxt == math.inf:
+                    if until_first is None and to != math.inf:
                         self._t = to
                     break
                 self._t = max(self._t, nxt)
                 self._idle = False
+            self._dirty = True  # (the view is exported whole next)
+            self._held_least = None
             self._arrive(self._t)
             if self._pinned:
                 self._hold_pinned()
@@ -387,9 +438,10 @@ class FastForward:
         core = self._core
         cache = None
         if core.pool is None:
-            ids, flat = core.rows()
-            table = np.array(flat, dtype=np.int64).reshape(len(ids), NCOLS)
+            ids, table = self._rows()
         else:
+            self._arrived.clear()  # (views with blocks are exported whole)
+            self._removed.clear()
             doc = core.snapshot(
                 instance=snap.instance, seq=snap.seq, time=snap.time + to, output_len=True
             )
@@ -397,24 +449,101 @@ class FastForward:
             # The block pool advanced too: a replay of this view still hits the
             # prefixes cached by now (and the new request's keys find them).
             cache = snapshot_from_dict(doc).prefix_cache
+        extended: list[int] = []
         if self._extended:
             # Kept running past its prediction: how much more is the predictor's
             # call again, given what it has produced by now.
-            rows = [i for i, rid in enumerate(ids) if rid in self._extended]
-            if rows:
-                table[rows, COL_OUTPUT_LEN] = -1
+            # (A scan in C per request kept on: a few, where a loop over the
+            # view's rows would cost O(requests) per view.)
+            extended = sorted(
+                i for i in map(functools.partial(_position, ids), self._extended) if i >= 0
+            )
+            if extended:
+                table = np.array(table)  # (the exported rows stay as they are)
+                table[extended, COL_OUTPUT_LEN] = -1
                 table = resolve_output_lengths(table, self.estimator.length_predictor)
-        return Snapshot(
+        view = Snapshot(
             instance=snap.instance,
             seq=snap.seq,
             time=snap.time + max(0.0, to),
-            kv=snap.kv if snap.kv is None else attrs.evolve(snap.kv, free_blocks=self._core.free),
+            kv=self._kv_at(),
             ids=ids,
             table=table,
             inflight_remaining_s=remaining if remaining > 0 else None,
             epoch=snap.epoch,
             prefix_cache=cache,
         )
+        self._least = (view, self._tokens_to_go(view, extended))
+        return view
+
+    def _rows(self) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
+        """The virtual engine's requests as table rows: the last export patched
+        with what arrived and left since, while no batch ran; else whole."""
+        core = self._core
+        last = self._export
+        if last is None or self._dirty or not self.patch_views:
+            ids, flat = core.rows()
+            table = np.array(flat, dtype=np.int64).reshape(len(ids), NCOLS)
+        else:
+            ids, table = last
+            parts = [table]
+            if self._removed:
+                try:
+                    # (A scan in C per request removed: a few per view.)
+                    gone = sorted({ids.index(rid) for rid in self._removed})
+                except ValueError:  # not in the last view after all: rebuild it
+                    self._dirty = True
+                    return self._rows()
+                parts, at = [], 0
+                for i in gone:
+                    parts.append(table[at:i])
+                    at = i + 1
+                parts.append(table[at:])
+                for i in reversed(gone):
+                    ids = ids[:i] + ids[i + 1 :]
+            if self._arrived:
+                new_ids, flat = core.rows_of(self._arrived)
+                ids += new_ids
+                parts.append(np.array(flat, dtype=np.int64).reshape(len(new_ids), NCOLS))
+            if len(parts) > 1:
+                table = np.concatenate(parts)
+        self._export = (ids, table)
+        self._dirty = False
+        self._arrived.clear()
+        self._removed.clear()
+        return ids, table
+
+    def _tokens_to_go(self, view: Snapshot, extended: list[int]) -> float:
+        """The fewest tokens a request the router holds has left in ``view``
+        (``inf``: none there): from the engine's requests, and for the ones
+        kept past their prediction, from the view's re-predicted lengths."""
+        held = self._pinned
+        if not held:
+            return math.inf
+        least = self._held_least
+        if least is None:
+            reqs = self._core.requests
+            least = math.inf
+            for rid in held:
+                r = reqs.get(rid)
+                if r is not None and rid not in self._extended:
+                    least = min(least, _to_go(r))
+            self._held_least = least
+        if extended:
+            t = view.table[extended]
+            left = t[:, COL_OUTPUT_LEN] - t[:, COL_OUTPUT] - t[:, COL_PLACEHOLDERS]
+            least = min(least, int(left.min()))
+        return least
+
+    def _kv_at(self) -> KVState | None:
+        kv = self.snapshot.kv
+        if kv is None:
+            return None
+        free = self._core.free
+        if self._kv is None or self._kv.free_blocks != free:
+            # Kept while the free count stands (an evolve costs microseconds).
+            self._kv = kv if kv.free_blocks == free else attrs.evolve(kv, free_blocks=free)
+        return self._kv
 
     def exact_for(self, view: Snapshot, b0: float) -> float:
         """How long past ``view``'s batch in flight a replay of it stays what
@@ -429,12 +558,17 @@ class FastForward:
         held = self._pinned
         if not held:
             return math.inf
-        t = view.table
-        rows = [i for i, rid in enumerate(view.ids) if rid in held]
-        if not rows:
-            return math.inf
-        left = t[rows, COL_OUTPUT_LEN] - t[rows, COL_OUTPUT] - t[rows, COL_PLACEHOLDERS]
-        return max(int(left.min()) - 1, 0) * b0
+        kept = self._least
+        if kept is not None and kept[0] is view:
+            least = kept[1]  # (counted by at(), from the engine's requests)
+        else:
+            t = view.table
+            rows = [i for i, rid in enumerate(view.ids) if rid in held]
+            if not rows:
+                return math.inf
+            left = t[rows, COL_OUTPUT_LEN] - t[rows, COL_OUTPUT] - t[rows, COL_PLACEHOLDERS]
+            least = int(left.min())
+        return math.inf if least == math.inf else max(int(least) - 1, 0) * b0
 
     def elapsed(self, now: float) -> float:
         """Seconds of engine time simulated by ``now``."""
