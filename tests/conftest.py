@@ -47,6 +47,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--skip-impl",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="deselect the tests run once per replay implementation for NAME (CI's "
+        "pure-Python pass: the compiled pass ran them already, with the same examples)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = set(config.getoption("--skip-impl"))
+    if not skip:
+        return
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        (dropped if spec is not None and spec.params.get("impl") in skip else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest) -> str:
     """Each available replay implementation in turn."""

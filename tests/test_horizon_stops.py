@@ -48,7 +48,11 @@ def _sized(pol: BoundScheduler, w: dict[str, Any]) -> BoundScheduler:
 def _horizons(pol: BoundScheduler, w: dict[str, Any]) -> list[float]:
     """Horizons inside each of the first batches of the twin's replay, and on their ends."""
     tw = compile_scheduler(pol, "python")
-    full = tw.replay(tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True)
+    # Forty batches give every horizon used: a replay to the first token can
+    # run a million batches on a livelocked draw.
+    full = tw.replay(
+        tw.prepare(w["table"]), w["prompt"], w["out"], COEFFS, record=True, max_batches=40
+    )
     assert full.batches is not None
     ends = np.cumsum([b.duration_s for b in full.batches[:40]]).tolist()
     return [h for e in ends for h in (e * 0.5, e) if h > 0.0][:12]
