@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,3 +160,24 @@ def test_a_dispatch_between_batches_patches_the_view() -> None:
     assert ff._dirty
     ff.at(now + 0.05)
     assert not ff._dirty
+
+
+def test_the_dispatch_bench_sends_each_decision_and_patches_views(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bearsdk.bench.decisions import dispatch_cost
+
+    patched: list[bool] = []
+    whole_or_patched = FastForward._rows
+
+    def rows(self: FastForward) -> Any:
+        patched.append(self._export is not None and not self._dirty)
+        return whole_or_patched(self)
+
+    monkeypatch.setattr(FastForward, "_rows", rows)
+    r = dispatch_cost(10, 40)
+    assert r["decisions"] == 40
+    assert r["sent"]["median_us"] > 0.0
+    assert r["not_sent"]["median_us"] > 0.0
+    assert any(patched)  # views rebuilt after dispatches, patched between batches
+    assert not all(patched)

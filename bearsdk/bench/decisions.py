@@ -41,6 +41,7 @@ import random
 import statistics
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -246,47 +247,44 @@ def dispatch_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str,
     }
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _paired(
+    args: argparse.Namespace,
+    cost: Callable[[int | None, int], dict[str, Any]],
+    key: str,
+    timings: tuple[str, str],
+    labels: tuple[str, str],
+) -> int:
+    """Print (or report as JSON under ``key``) ``cost``'s two ``timings`` at each depth."""
     rows = []
     for depth in (*DEPTHS, None):
-        r = dispatch_cost(depth, args.decisions)
+        r = cost(depth, args.decisions)
         rows.append(r)
         if not args.json:
-            b, t = r["not_sent"], r["sent"]
+            a, b = r[timings[0]], r[timings[1]]
             print(
-                f"   8 instances {r['waiting']!s:>6} waiting: never sent p50 "
-                f"{b['median_us']:8.1f} p99 {b['p99_us']:8.1f} us; each sent p50 "
-                f"{t['median_us']:8.1f} p99 {t['p99_us']:8.1f} us: x{r['ratio_median']}",
+                f"   8 instances {r['waiting']!s:>6} waiting: {labels[0]} p50 "
+                f"{a['median_us']:8.1f} p99 {a['p99_us']:8.1f} us; {labels[1]} p50 "
+                f"{b['median_us']:8.1f} p99 {b['p99_us']:8.1f} us: x{r['ratio_median']}",
                 flush=True,
             )
     if args.json:
-        print(json.dumps({"dispatch": rows}, indent=2))
-    return 0
-
-
-def _tpot(args: argparse.Namespace) -> int:
-    rows = []
-    for depth in (*DEPTHS, None):
-        r = tpot_cost(depth, args.decisions)
-        rows.append(r)
-        if not args.json:
-            b, t = r["ttft_only"], r["with_tpot"]
-            print(
-                f"   8 instances {r['waiting']!s:>6} waiting: TTFT only p50 "
-                f"{b['median_us']:8.1f} p99 {b['p99_us']:8.1f} us; with a TPOT target "
-                f"p50 {t['median_us']:8.1f} p99 {t['p99_us']:8.1f} us: x{r['ratio_median']}",
-                flush=True,
-            )
-    if args.json:
-        print(json.dumps({"tpot": rows}, indent=2))
+        print(json.dumps({key: rows}, indent=2))
     return 0
 
 
 def _main(args: argparse.Namespace) -> int:
     if args.tpot:
-        return _tpot(args)
+        return _paired(
+            args,
+            tpot_cost,
+            "tpot",
+            ("ttft_only", "with_tpot"),
+            ("TTFT only", "with a TPOT target"),
+        )
     if args.dispatch:
-        return _dispatch(args)
+        return _paired(
+            args, dispatch_cost, "dispatch", ("not_sent", "sent"), ("never sent", "each sent")
+        )
     rows = []
     for n in POOLS:
         for depth in (*DEPTHS, None):

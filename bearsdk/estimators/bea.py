@@ -268,9 +268,9 @@ def _prefill_of(snapshot: Snapshot, rows: int) -> tuple[float, float]:
         return (0.0, 0.0)
     t = snapshot.table
     if len(t) <= _SMALL_TABLE:
-        # In exact integers, row by row: a few rows cost less so than numpy's
-        # calls (a fast-forwarded view's, rebuilt after each dispatch, often
-        # holds a few); the same sums wherever numpy's floats are exact.
+        # In exact integers, row by row: cheaper than numpy's calls for a few
+        # rows (a fast-forwarded view, rebuilt after each dispatch, often holds
+        # a few); the same sums wherever numpy's floats are exact.
         tokens = attention = 0
         for row in t.tolist():
             if rows == 2 or row[COL_STATE] == STATE_WAITING:
@@ -304,10 +304,10 @@ class BEAEstimator:
     length_predictor: LengthPredictor = attrs.field(factory=MeanLengthPredictor)
     implementation: str | None = None
     _coeffs: tuple[float, ...] = attrs.field(init=False)
-    # The compiled replayer of the last KV geometry seen: (policy, implementation,
-    # geometry, replayer); re-binding and looking it up per snapshot costs as
-    # much as preparing the requests.
-    # (policy, implementation, geometry, replayer, first_tokens_in_order, _ahead_rows).
+    # The compiled replayer of the last KV geometry seen, with what its policy
+    # says once for all: (policy, implementation, geometry, replayer,
+    # first_tokens_in_order, _ahead_rows); re-binding and looking it up per
+    # snapshot costs as much as preparing the requests.
     _compiled: tuple[Policy, str | None, tuple[int, int] | None, Replayer, bool, int] | None = (
         attrs.field(init=False, default=None)
     )
