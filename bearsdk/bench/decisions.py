@@ -149,20 +149,9 @@ def tpot_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any
     on the same state, so that the ratio is paired, not two cells apart on a
     noisy machine.
     """
-    rng = random.Random(seed)
     t0 = 1_000.0
     clock = [t0]
-    router = RouterCore(
-        _configs(8),
-        BEAR(),
-        predictor=Predictor.load_default(),
-        clock=lambda: clock[0],
-        explore=None,
-    )
-    for name in router.instances:
-        d = rng.randint(0, 1000) if depth is None else depth
-        at = t0 - rng.uniform(0.0, 0.05)
-        router.cache(name).offer(_snapshot(name, rng, at, d), received=at)
+    router = _pool8(depth, seed, clock, Predictor.load_default())
     msgs = [{"role": "user", "content": PROMPT}]
     clock[0] = t0 + STALE_S
     for name in router.instances:
@@ -187,12 +176,33 @@ def tpot_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any
             base.append((b - a) / 1e3)
             tpot.append((c - b) / 1e3)
 
+    return _paired_row(depth, decisions, ("ttft_only", base), ("with_tpot", tpot))
+
+
+def _pool8(depth: int | None, seed: int, clock: list[float], pred: Predictor) -> RouterCore:
+    """A BEAR router on 8 instances, ``depth`` deep (``None``: mixed), on ``clock``."""
+    rng = random.Random(seed)
+    t0 = clock[0]
+    router = RouterCore(_configs(8), BEAR(), predictor=pred, clock=lambda: clock[0], explore=None)
+    for name in router.instances:
+        d = rng.randint(0, 1000) if depth is None else depth
+        at = t0 - rng.uniform(0.0, 0.05)
+        router.cache(name).offer(_snapshot(name, rng, at, d), received=at)
+    return router
+
+
+def _paired_row(
+    depth: int | None,
+    decisions: int,
+    first: tuple[str, list[float]],
+    second: tuple[str, list[float]],
+) -> dict[str, Any]:
     return {
         "instances": 8,
         "waiting": "mixed" if depth is None else depth,
-        "ttft_only": Timing(base).as_dict(),
-        "with_tpot": Timing(tpot).as_dict(),
-        "ratio_median": round(statistics.median(tpot) / statistics.median(base), 2),
+        first[0]: Timing(first[1]).as_dict(),
+        second[0]: Timing(second[1]).as_dict(),
+        "ratio_median": round(statistics.median(second[1]) / statistics.median(first[1]), 2),
         "decisions": decisions,
     }
 
@@ -206,16 +216,7 @@ def dispatch_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str,
     t0 = 1_000.0
     clock = [t0]
     pred = Predictor.load_default()
-    routers = []
-    for _ in range(2):
-        rng = random.Random(seed)
-        r = RouterCore(_configs(8), BEAR(), predictor=pred, clock=lambda: clock[0], explore=None)
-        for name in r.instances:
-            d = rng.randint(0, 1000) if depth is None else depth
-            at = t0 - rng.uniform(0.0, 0.05)
-            r.cache(name).offer(_snapshot(name, rng, at, d), received=at)
-        routers.append(r)
-    still, sent = routers
+    still, sent = (_pool8(depth, seed, clock, pred) for _ in range(2))
     msgs = [{"role": "user", "content": PROMPT}]
     flying: deque[Decision] = deque()
     base: list[float] = []
@@ -237,14 +238,7 @@ def dispatch_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str,
         if i >= warm:
             base.append((b - a) / 1e3)
             after.append((c - b) / 1e3)
-    return {
-        "instances": 8,
-        "waiting": "mixed" if depth is None else depth,
-        "not_sent": Timing(base).as_dict(),
-        "sent": Timing(after).as_dict(),
-        "ratio_median": round(statistics.median(after) / statistics.median(base), 2),
-        "decisions": decisions,
-    }
+    return _paired_row(depth, decisions, ("not_sent", base), ("sent", after))
 
 
 def _paired(
