@@ -27,6 +27,7 @@ def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.once  # (what it times is the gateway, whichever twins it runs)
 def test_quick_run_reports_every_scenario() -> None:
     res = _bench("--quick", "--json")
     assert res.returncode == 0, res.stderr[-3000:]

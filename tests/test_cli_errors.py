@@ -28,6 +28,10 @@ from typing import Any
 
 import pytest
 
+# What is checked is the CLI's handling (before any work, or of Ctrl-C),
+# whichever twins the commands run.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "bearsdk" / "schedulers" / "specs"
 

@@ -172,6 +172,7 @@ def test_hypothesis_payloads_survive_every_stage(harness: Harness, data: bytes) 
     assert_clean(check(harness, data))
 
 
+@pytest.mark.once  # (it replays every document on both twins itself)
 @SETTINGS
 @given(doc=documents())
 def test_replay_twins_agree_on_valid_snapshots(harness: Harness, doc: dict[str, Any]) -> None:

@@ -35,7 +35,11 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import bearsdk
+
+pytestmark = pytest.mark.once  # (it reads the sources, whichever twins are loaded)
 
 ROOT = Path(bearsdk.__file__).resolve().parent
 REPO = ROOT.parent

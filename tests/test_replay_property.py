@@ -27,9 +27,11 @@ from bearsdk.schedulers import (
 )
 from bearsdk.snapshot import NCOLS
 
-pytestmark = pytest.mark.skipif(
-    "cython" not in implementations(), reason="compiled replay not built"
-)
+pytestmark = [
+    # (Every test compares the twins side by side: the same in either CI pass.)
+    pytest.mark.once,
+    pytest.mark.skipif("cython" not in implementations(), reason="compiled replay not built"),
+]
 
 # BatchTimeModel.replay_coeffs of the default model: each decode's own key priced
 # (decode_keys="attended"), which the closed-form decode runs must sum alike.
