@@ -425,7 +425,10 @@ def id_fragment(str rid):
     """The constant head of a request's row: ``{"id":"<id>","state":"``."""
     cdef bytes raw = rid.encode("utf-8", "replace")
     cdef Py_ssize_t n = len(raw)
-    cdef char* tmp = <char*>mem_alloc(16 + 6 * n, 1)
+    # 6 + 10 bytes around the string, its two quotes, and at most 6 per byte
+    # (a control character's \u00XX): 2 bytes short of that wrote past the
+    # block for an id of control characters.
+    cdef char* tmp = <char*>mem_alloc(18 + 6 * n, 1)
     cdef char* p
     try:
         p = put(tmp, b'{"id":', 6)
