@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bearsdk.estimators import BatchTimeModel, BEAEstimator, RememberedLengths
-from bearsdk.snapshot import snapshot_from_dict
+from bearsdk.estimators.length import resolve_output_lengths
+from bearsdk.snapshot import COL_OUTPUT_LEN, snapshot_from_dict
 from bearsdk.state import Dispatch, FastForward
 
 BT = BatchTimeModel(4e-3, 2.2e-5, 5e-8, 1.2e-10)
@@ -137,6 +138,11 @@ def test_patched_views_are_the_engine_exported_whole(
         assert a.exact_for(va, BT.b0) == b.exact_for(vb, BT.b0)
         # The patched count of tokens to go is what the view's rows say.
         assert a.exact_for(va, BT.b0) == FastForward.exact_for(a, vb, BT.b0)
+        # A view is prepared unchecked (``lengths_known``): every length there.
+        assert not len(va) or va.table[:, COL_OUTPUT_LEN].min() >= 1
+        assert np.array_equal(
+            resolve_output_lengths(va.table, a.estimator.length_predictor, va.ids), va.table
+        )
 
 
 def test_a_dispatch_between_batches_patches_the_view() -> None:

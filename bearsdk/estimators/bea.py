@@ -337,12 +337,18 @@ class BEAEstimator:
         """Build an estimator for a registered scheduler and parameter overrides."""
         return cls(bind_scheduler(scheduler, params), batch_time, **kwargs)  # type: ignore[arg-type]
 
-    def prepare(self, snapshot: Snapshot) -> PreparedSnapshot:
+    def prepare(self, snapshot: Snapshot, *, lengths_known: bool = False) -> PreparedSnapshot:
         """Resolve output lengths and build replay state for ``snapshot``.
 
         The snapshot's KV geometry (when present) overrides the policy's. A
         prefix-caching policy given a snapshot with ``kv.prefix_cache`` replays
         its blocks one by one (``docs/prefix-caching.md``).
+
+        Args:
+            snapshot: The instance's state.
+            lengths_known: Every row's ``output_len`` is known and valid (a
+                fast-forwarded view's: its virtual engine holds each one), so
+                the table is used as it is, unchecked.
         """
         kv = snapshot.kv
         geometry = None if kv is None else (kv.block_size, kv.num_blocks)
@@ -365,7 +371,11 @@ class BEAEstimator:
             )
             self._compiled = memo
         replayer = memo[3]
-        table = resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
+        table = (
+            snapshot.table
+            if lengths_known
+            else resolve_output_lengths(snapshot.table, self.length_predictor, snapshot.ids)
+        )
         free = -1 if kv is None else kv.free_blocks
         state = replayer.prepare(table, free, snapshot.ids, cache=snapshot.prefix_cache)
         return PreparedSnapshot(

@@ -692,7 +692,7 @@ class InstanceState:
                     self._placed = end  # (from before the snapshot: nothing to place)
             ff = self._ff
             snap = ff.at(now)
-            self._view = self.estimator.prepare(snap)
+            self._view = self.estimator.prepare(snap, lengths_known=True)
         except (ValueError, RecursionError) as exc:
             # A state the scheduler twin rejects: estimate from the snapshot as it is.
             self._ff_errors += 1
