@@ -556,7 +556,31 @@ def test_a_command_other_than_bench_loads_no_benchmark() -> None:
     out = subprocess.run([*run, "bench", "router", "--skip-proxy"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "'bearsdk.bench.router'" in out.stdout
+    assert "'bearsdk.bench.decisions'" not in out.stdout  # (only the one named)
+    # No benchmark named (`bearsdk bench --help`): every one is there to list.
+    built = code.replace("args, _ = p.parse_known_args(sys.argv[1:])\n", "")
+    out = subprocess.run([sys.executable, "-c", built, "bench"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
     assert "'bearsdk.bench.decisions'" in out.stdout  # (every one, for bench --help)
+    assert "'bearsdk.bench.router'" in out.stdout
+
+
+def test_the_parser_loads_none_of_the_heavy_modules() -> None:
+    # Every command builds every command's parser: what one of them needs to
+    # run (numpy, the emulator, the estimators, the predictors' LightGBM) is
+    # imported when it runs, so that a bad argument or `--help` answers in a
+    # tenth of a second, not half a second.
+    heavy = ("numpy", "lightgbm", "aiohttp", "bearsdk.emulator", "bearsdk.estimators")
+    code = (
+        "import sys\n"
+        "from bearsdk.cli import build_parser\n"
+        "for argv in (['replay'], ['emulate'], ['demo'], ['train'], ['serve'], ['--help']):\n"
+        "    build_parser(argv)\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_ctrl_c_python_could_not_raise_is_delivered_again(

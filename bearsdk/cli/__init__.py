@@ -231,7 +231,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         argv: The words to be parsed, when known: a command whose module sets
             ``LOADS_ON_USE`` (``bench``, whose benchmarks import most of the
             package) then registers its subcommands only if it is named there,
-            so that ``bearsdk serve`` starts without them.
+            so that ``bearsdk serve`` starts without them, and of those only
+            the one named, where one is (``bearsdk bench router``).
     """
     from bearsdk import __version__, _twins
 
@@ -258,10 +259,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         register = getattr(module, "register", None)
         if register is None:
             continue
-        if argv is not None and getattr(module, "LOADS_ON_USE", False) and info.name not in argv:
+        if not getattr(module, "LOADS_ON_USE", False):
+            register(sub)
+        elif argv is not None and info.name not in argv:
             register(sub, full=False)
         else:
-            register(sub)
+            register(sub, argv=argv)
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+from collections.abc import Sequence
 
 import bearsdk.bench
 
@@ -13,16 +14,38 @@ LOADS_ON_USE = True
 :func:`bearsdk.cli.build_parser`): they import most of the package."""
 
 
-def register(sub: argparse._SubParsersAction, full: bool = True) -> None:  # type: ignore[type-arg]
+def register(
+    sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    full: bool = True,
+    argv: Sequence[str] | None = None,
+) -> None:
+    """Add ``bench`` and, with ``full``, its benchmarks: only the one ``argv``
+    names where it names one (each imports much of the package: the others
+    are not needed to run it), else every one (for ``bench --help``)."""
     p = sub.add_parser("bench", help="run a benchmark (medians and p99s measured in one run)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     bsub.required = True
     if not full:
         return
-    for info in sorted(pkgutil.iter_modules(bearsdk.bench.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"bearsdk.bench.{info.name}")
+    names = [
+        info.name
+        for info in sorted(pkgutil.iter_modules(bearsdk.bench.__path__), key=lambda m: m.name)
+        if not info.name.startswith("_")
+    ]
+    named = _named(argv)
+    if named in names:
+        names = [named]
+    for name in names:
+        module = importlib.import_module(f"bearsdk.bench.{name}")
         reg = getattr(module, "register", None)
         if reg is not None:
             reg(bsub)
+
+
+def _named(argv: Sequence[str] | None) -> str | None:
+    """The module of the benchmark ``argv`` names (the word after ``bench``)."""
+    if argv is None or "bench" not in argv:
+        return None
+    rest = list(argv)[list(argv).index("bench") + 1 :]
+    word = next((w for w in rest if not w.startswith("-")), None)
+    return None if word is None else word.replace("-", "_")

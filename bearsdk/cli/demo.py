@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 import attrs
-import numpy as np
 
 from bearsdk.cli import demo_report
 from bearsdk.cli.demo_jobs import (
@@ -158,6 +157,8 @@ def _engines(job: _Job) -> tuple[list[EngineConfig], list[WorkItem], Predictor |
             trained.models, [m.chars_per_token for m in trained.pool]
         ),
     )
+    import numpy as np
+
     rng = np.random.default_rng(job.seed)
     picks = rng.integers(0, len(held_out), size=job.n)
     times = arrivals(job.n, job.rate, seed=job.seed + 2)

@@ -14,14 +14,17 @@ import argparse
 import gc
 import signal
 import sys
-
-import anyio
+from typing import TYPE_CHECKING
 
 from bearsdk.cli import nonnegative_int, positive_float, scheduler_arg
-from bearsdk.emulator import EmulatedEngine, EngineConfig, EnginePool, get_profile, profile_names
-from bearsdk.emulator.timing import GroundTruthParams
 from bearsdk.errors import BearError
-from bearsdk.schedulers import get_scheduler
+
+if TYPE_CHECKING:
+    from bearsdk.emulator import EmulatedEngine, EngineConfig
+
+# The emulator (and numpy, the schedulers and the replay with it) is imported
+# by the functions that run the command: every other command builds this
+# parser too, and should not pay for it.
 
 __all__ = ["register"]
 
@@ -107,6 +110,9 @@ def _params(items: list[str]) -> dict[str, object]:
 
 
 def _configs(args: argparse.Namespace) -> list[EngineConfig]:
+    from bearsdk.emulator import EngineConfig, get_profile
+    from bearsdk.emulator.timing import GroundTruthParams
+
     profiles = args.profile or ["qwen3-8b-h100"]
     if len(profiles) > 1 and (args.instance or args.served_model_name):
         raise EmulateError("--instance and --served-model-name need a single --profile")
@@ -156,6 +162,8 @@ def _prefix_caching(args: argparse.Namespace, params: dict[str, object]) -> None
     name = "--enable-prefix-caching" if flag else "--no-enable-prefix-caching"
     if "enable_prefix_caching" in params:
         raise EmulateError(f"{name} and --param enable_prefix_caching=...: give one of them")
+    from bearsdk.schedulers import get_scheduler
+
     try:
         known = "enable_prefix_caching" in get_scheduler(args.scheduler).params
     except BearError:
@@ -170,6 +178,10 @@ def _prefix_caching(args: argparse.Namespace, params: dict[str, object]) -> None
 
 
 async def _serve(configs: list[EngineConfig]) -> int:
+    import anyio
+
+    from bearsdk.emulator import EnginePool
+
     async with EnginePool(configs) as pool:
         # A long-lived server: keep the start-up objects out of every full collection
         # (a full pass over them stalls the loop for 10-20 ms).
@@ -200,6 +212,10 @@ def _describe(e: EmulatedEngine) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from bearsdk.emulator import get_profile, profile_names
+
     if args.list_profiles:
         for name in profile_names():
             prof = get_profile(name)

@@ -12,18 +12,19 @@ import argparse
 import math
 import sys
 from collections.abc import Iterator, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from bearsdk.cli import positive_int, scheduler_arg
 from bearsdk.errors import BearError, short_repr
-from bearsdk.estimators.batch_time import BatchTimeModel
-from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
-from bearsdk.estimators.length import MeanLengthPredictor
-from bearsdk.replay.types import check_next_tokens
-from bearsdk.schedulers import bind_scheduler
-from bearsdk.snapshot import decode_snapshot, snapshot_from_dict
+
+if TYPE_CHECKING:
+    from bearsdk.estimators.batch_time import BatchTimeModel
+    from bearsdk.estimators.bea import TTFTEstimate
+
+# The estimator, the schedulers and the snapshot decoder (numpy with them) are
+# imported where a replay runs: every other command builds this parser too.
 
 __all__ = ["register", "replay_case"]
 
@@ -101,6 +102,8 @@ def next_tokens_arg(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer (got {short_repr(text)})") from None
+    from bearsdk.replay.types import check_next_tokens
+
     try:
         return check_next_tokens(value)
     except ValueError as exc:
@@ -118,6 +121,8 @@ def _params(items: list[str]) -> dict[str, str]:
 
 
 def _coeffs(v: object, where: str) -> BatchTimeModel | None:
+    from bearsdk.estimators.batch_time import BatchTimeModel
+
     if v is None:
         return None
     if isinstance(v, str):
@@ -147,6 +152,12 @@ def replay_case(
     Raises:
         BearError: The case is malformed (the message names the field).
     """
+    from bearsdk.estimators.batch_time import BatchTimeModel
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.estimators.length import MeanLengthPredictor
+    from bearsdk.schedulers import bind_scheduler
+    from bearsdk.snapshot import snapshot_from_dict
+
     for key in ("scheduler", "snapshot", "new"):
         if key not in case:
             raise CaseError(f"{key} is required")
@@ -244,6 +255,12 @@ def _run_cases(args: argparse.Namespace) -> int:
 
 
 def _run_single(args: argparse.Namespace) -> int:
+    from bearsdk.estimators.batch_time import BatchTimeModel
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.estimators.length import MeanLengthPredictor
+    from bearsdk.schedulers import bind_scheduler
+    from bearsdk.snapshot import decode_snapshot
+
     if args.prompt_tokens is None:
         raise CaseError("--prompt-tokens is required with --snapshot")
     with open(args.snapshot, "rb") as f:

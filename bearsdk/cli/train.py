@@ -24,7 +24,6 @@ from typing import Any
 import orjson
 
 from bearsdk.cli import nonnegative_int, positive_float, positive_int, writable_dir
-from bearsdk.predictors.errors import PredictorError
 
 __all__ = ["register"]
 
@@ -101,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _load(args: argparse.Namespace) -> tuple[object, str]:
     from bearsdk.predictors.dataset import read_alpaca_eval, read_jsonl
+    from bearsdk.predictors.errors import PredictorError
     from bearsdk.predictors.pool import load_pool
     from bearsdk.predictors.synthetic import synthetic_training_set
 
