@@ -1,12 +1,15 @@
-"""The compiled publisher never writes past a block it allocated.
+"""The compiled modules never write past a block they allocated.
 
 A write a few bytes past a ``malloc`` block corrupts the heap silently and
 aborts a later ``free`` (inside vLLM's engine process, for the publisher), so
-an equal document from both twins proves nothing about it. glibc's checking
+equal answers from both twins prove nothing about it. glibc's checking
 allocator (``libc_malloc_debug.so`` with ``MALLOC_CHECK_=3``) aborts at the
-``free`` of an overrun block instead: the formatters run in a subprocess under
-it, with the inputs that need the most room (ids and names made of control
-characters, each escaped to six bytes; integers at both ends of int64).
+``free`` of an overrun block instead: each test runs compiled code in a
+subprocess under it. The publisher's formatters get the inputs that need the
+most room (ids and names made of control characters, each escaped to six
+bytes; integers at both ends of int64); the snapshot decoders, caches, both
+replays (the block-level one with ``kv.prefix_cache``) and a router get the
+fuzz bench's payloads, hostile and valid.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 
 import pytest
 
+from bearsdk.replay import implementations as replays
 from bearsdk.vllm import implementations
 
 CHECKER = next(
@@ -31,7 +35,7 @@ CHECKER = next(
     None,
 )
 
-SCRIPT = r"""
+PUBLISHER = r"""
 import numpy as np
 from bearsdk.vllm import _pub_c as c
 
@@ -64,13 +68,38 @@ print("clean")
 """
 
 
-@pytest.mark.once  # (it runs the compiled formatters, whichever twins are selected)
-@pytest.mark.skipif("cython" not in implementations(), reason="compiled capture not built")
-@pytest.mark.skipif(CHECKER is None, reason="no glibc checking allocator (libc_malloc_debug)")
-def test_the_formatters_stay_inside_their_blocks() -> None:
+FUZZ = r"""
+from bearsdk.bench.fuzz import Harness, Tally, payload
+
+h = Harness(twin_every=1)
+t = Tally()
+for i in range(300):
+    h.check(payload(11, i), i, t)
+assert t.escapes == 0 and t.other == 0 and t.lost_good == 0, t.examples
+print("clean")
+"""
+
+
+def _under_checker(script: str) -> None:
     env = {**os.environ, "MALLOC_CHECK_": "3", "LD_PRELOAD": str(CHECKER)}
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
-    assert res.returncode == 0, (res.returncode, res.stderr)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
     assert res.stdout.strip() == "clean", res.stdout
+
+
+pytestmark = [
+    pytest.mark.once,  # (compiled code, whichever twins the pass selects)
+    pytest.mark.skipif(CHECKER is None, reason="no glibc checking allocator (libc_malloc_debug)"),
+]
+
+
+@pytest.mark.skipif("cython" not in implementations(), reason="compiled capture not built")
+def test_the_publisher_formatters_stay_inside_their_blocks() -> None:
+    _under_checker(PUBLISHER)
+
+
+@pytest.mark.skipif("cython" not in replays(), reason="compiled replay not built")
+def test_hostile_snapshots_stay_inside_their_blocks() -> None:
+    _under_checker(FUZZ)
