@@ -44,8 +44,8 @@ def register(
 
 def _named(argv: Sequence[str] | None) -> str | None:
     """The module of the benchmark ``argv`` names (the word after ``bench``)."""
-    if argv is None or "bench" not in argv:
+    words = list(argv or ())
+    if "bench" not in words:
         return None
-    rest = list(argv)[list(argv).index("bench") + 1 :]
-    word = next((w for w in rest if not w.startswith("-")), None)
+    word = next((w for w in words[words.index("bench") + 1 :] if not w.startswith("-")), None)
     return None if word is None else word.replace("-", "_")

@@ -21,7 +21,7 @@ from bearsdk.errors import BearError, short_repr
 
 if TYPE_CHECKING:
     from bearsdk.estimators.batch_time import BatchTimeModel
-    from bearsdk.estimators.bea import TTFTEstimate
+    from bearsdk.estimators.bea import BEAEstimator, TTFTEstimate
 
 # The estimator, the schedulers and the snapshot decoder (numpy with them) are
 # imported where a replay runs: every other command builds this parser too.
@@ -135,6 +135,28 @@ def _coeffs(v: object, where: str) -> BatchTimeModel | None:
         raise CaseError(f"{where}: {exc}") from None
 
 
+def _estimator(
+    scheduler: str,
+    params: Mapping[str, object],
+    coeffs: BatchTimeModel | None,
+    mean_output_len: int,
+    impl: str | None,
+) -> BEAEstimator:
+    """The estimator a case or ``--snapshot`` replays with (no coefficients: zeros,
+    the first-token batch is the answer)."""
+    from bearsdk.estimators.batch_time import BatchTimeModel
+    from bearsdk.estimators.bea import BEAEstimator
+    from bearsdk.estimators.length import MeanLengthPredictor
+    from bearsdk.schedulers import bind_scheduler
+
+    return BEAEstimator(
+        bind_scheduler(scheduler, params),
+        coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
+        MeanLengthPredictor(mean=mean_output_len),
+        implementation=impl,
+    )
+
+
 def replay_case(
     case: Mapping[str, Any], *, mean_output_len: int = 256, impl: str | None = None
 ) -> dict[str, Any]:
@@ -152,10 +174,6 @@ def replay_case(
     Raises:
         BearError: The case is malformed (the message names the field).
     """
-    from bearsdk.estimators.batch_time import BatchTimeModel
-    from bearsdk.estimators.bea import BEAEstimator
-    from bearsdk.estimators.length import MeanLengthPredictor
-    from bearsdk.schedulers import bind_scheduler
     from bearsdk.snapshot import snapshot_from_dict
 
     for key in ("scheduler", "snapshot", "new"):
@@ -194,12 +212,7 @@ def replay_case(
         raise CaseError(f"scheduler must be a name (got {scheduler!r})")
     coeffs = _coeffs(case.get("batch_time"), "batch_time")
     snap = snapshot_from_dict(case["snapshot"])
-    est = BEAEstimator(
-        bind_scheduler(scheduler, params),
-        coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
-        MeanLengthPredictor(mean=mean_output_len),
-        implementation=impl,
-    )
+    est = _estimator(scheduler, params, coeffs, mean_output_len, impl)
     res = est.estimate(snap, prompt, out_len, max_tokens=max_tokens, prefix_keys=prefix_keys)
     return {
         "case_id": case.get("case_id"),
@@ -255,10 +268,6 @@ def _run_cases(args: argparse.Namespace) -> int:
 
 
 def _run_single(args: argparse.Namespace) -> int:
-    from bearsdk.estimators.batch_time import BatchTimeModel
-    from bearsdk.estimators.bea import BEAEstimator
-    from bearsdk.estimators.length import MeanLengthPredictor
-    from bearsdk.schedulers import bind_scheduler
     from bearsdk.snapshot import decode_snapshot
 
     if args.prompt_tokens is None:
@@ -266,12 +275,7 @@ def _run_single(args: argparse.Namespace) -> int:
     with open(args.snapshot, "rb") as f:
         snap = decode_snapshot(f.read())
     coeffs = _coeffs(args.batch_time, "--batch-time")
-    est = BEAEstimator(
-        bind_scheduler(args.scheduler, _params(args.param)),
-        coeffs or BatchTimeModel(0.0, 0.0, 0.0, 0.0),
-        MeanLengthPredictor(mean=args.mean_output_len),
-        implementation=args.impl,
-    )
+    est = _estimator(args.scheduler, _params(args.param), coeffs, args.mean_output_len, args.impl)
     res = est.estimate(
         snap,
         args.prompt_tokens,
