@@ -161,22 +161,44 @@ def tpot_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str, Any
             msgs, ttft_target=TARGET_S, tpot_target=TPOT_TARGET_S, instances=[name]
         )
         router.record_dispatch(sent)
-    base: list[float] = []
-    tpot: list[float] = []
+    base, tpot = _alternating(
+        clock,
+        t0,
+        decisions,
+        lambda: router.decide(msgs, ttft_target=TARGET_S),
+        lambda: router.decide(msgs, ttft_target=TARGET_S, tpot_target=TPOT_TARGET_S),
+    )
+    return _paired_row(depth, decisions, ("ttft_only", base), ("with_tpot", tpot))
+
+
+def _alternating(
+    clock: list[float],
+    t0: float,
+    decisions: int,
+    first: Callable[[], Decision],
+    second: Callable[[], Decision],
+    after: Callable[[Decision], None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Time ``first`` then ``second`` (µs) at each of ``decisions`` steps of
+    ``clock`` from ``t0``, after a warm-up; ``after`` gets ``second``'s
+    decision, untimed."""
     warm = max(20, decisions // 10)
     clock_ns = time.perf_counter_ns
+    a_us: list[float] = []
+    b_us: list[float] = []
     for i in range(warm + decisions):
         clock[0] = t0 + STALE_S + i * STEP_S
         a = clock_ns()
-        router.decide(msgs, ttft_target=TARGET_S)
+        first()
         b = clock_ns()
-        router.decide(msgs, ttft_target=TARGET_S, tpot_target=TPOT_TARGET_S)
+        dec = second()
         c = clock_ns()
+        if after is not None:
+            after(dec)
         if i >= warm:
-            base.append((b - a) / 1e3)
-            tpot.append((c - b) / 1e3)
-
-    return _paired_row(depth, decisions, ("ttft_only", base), ("with_tpot", tpot))
+            a_us.append((b - a) / 1e3)
+            b_us.append((c - b) / 1e3)
+    return a_us, b_us
 
 
 def _pool8(depth: int | None, seed: int, clock: list[float], pred: Predictor) -> RouterCore:
@@ -219,25 +241,22 @@ def dispatch_cost(depth: int | None, decisions: int, seed: int = 0) -> dict[str,
     still, sent = (_pool8(depth, seed, clock, pred) for _ in range(2))
     msgs = [{"role": "user", "content": PROMPT}]
     flying: deque[Decision] = deque()
-    base: list[float] = []
-    after: list[float] = []
-    warm = max(20, decisions // 10)
-    clock_ns = time.perf_counter_ns
-    for i in range(warm + decisions):
-        clock[0] = t0 + STALE_S + i * STEP_S
-        a = clock_ns()
-        still.decide(msgs, ttft_target=TARGET_S)
-        b = clock_ns()
-        dec = sent.decide(msgs, ttft_target=TARGET_S)
-        c = clock_ns()
+
+    def send(dec: Decision) -> None:
         sent.record_dispatch(dec)
         flying.append(dec)
         if len(flying) > IN_FLIGHT:
             old = flying.popleft()
             sent.record_complete(old, old.instance)
-        if i >= warm:
-            base.append((b - a) / 1e3)
-            after.append((c - b) / 1e3)
+
+    base, after = _alternating(
+        clock,
+        t0,
+        decisions,
+        lambda: still.decide(msgs, ttft_target=TARGET_S),
+        lambda: sent.decide(msgs, ttft_target=TARGET_S),
+        send,
+    )
     return _paired_row(depth, decisions, ("not_sent", base), ("sent", after))
 
 
